@@ -1,0 +1,188 @@
+"""The public entry points, each routed through the backend flag: one call, three tiers."""
+
+from __future__ import annotations
+
+from bsrattn import scheduler
+from bsrattn.backends import get_backend
+from bsrattn.layout import BSRLayout, Cascade
+from bsrattn.validation import make_spec, shape_of, spec_from_inputs
+from bsrattn.variant import Variant
+
+__all__ = ["attention", "BatchAttention", "merge_state", "merge_states"]
+
+
+def _levels(layout):
+    if isinstance(layout, Cascade):
+        return layout.levels
+    if isinstance(layout, BSRLayout):
+        return (layout,)
+    raise TypeError(f"layout must be a BSRLayout or a Cascade, got {type(layout).__name__}")
+
+
+def _level_variant(layout, level, variant):
+    return layout.level_variant(level, variant) if isinstance(layout, Cascade) else variant
+
+
+def _merge_levels(backend, states, variant, out, lse):
+    """Fold the levels' states in level order with ⊕ (or by addition for FlashSigmoid)."""
+    o, s = states[0]
+    for o_b, s_b in states[1:]:
+        if variant.use_sigmoid:
+            o = backend.add_states(o, o_b)
+        else:
+            o, s = backend.merge_state(o, s, o_b, s_b)
+    if out is not None:
+        out[...] = o
+        o = out
+    if lse is not None:
+        lse[...] = s
+        s = lse
+    return o, s
+
+
+def attention(q, k, v, layout, *, variant=None, backend=None, kv_layout="NHD", return_lse=False, out=None,
+              lse=None, k_scale=None, v_scale=None):
+    """Attention of every query row over its KV, for any layout.
+
+    Parameters
+    ----------
+    q : ``[nnz_qo, num_qo_heads, head_dim]``
+    k, v : ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), ``[num_blocks, num_kv_heads,
+        block_size, head_dim]`` (``kv_layout="HND"``) or ``[N, num_kv_heads, head_dim]`` when ``block_size == 1``.
+    layout : BSRLayout or Cascade
+    variant : Variant, optional
+    backend : str or Backend, optional
+        ``"reference"``, ``"numba"``, ``"torch"`` or ``"auto"``; default: the flag (see :mod:`bsrattn.backends`).
+    return_lse : bool
+        Also return ``lse [nnz_qo, num_qo_heads]``, float32, natural log.
+    out, lse : arrays, optional
+        Buffers to write into.
+    k_scale, v_scale : float, optional
+        Dequantisation scales of fp8 KV.
+
+    Returns
+    -------
+    out, or ``(out, lse)`` when ``return_lse``. ``out`` has ``q``'s dtype and array kind. A query that sees no
+    key gets ``out = 0`` and ``lse = -inf``.
+
+    Examples
+    --------
+    >>> import numpy as np, bsrattn as ba
+    >>> rng = np.random.default_rng(0)
+    >>> layout = ba.layouts.paged([1, 2], [[2, 0], [1]], kv_lens=[20, 7], page_size=16, num_pages=3)
+    >>> q = rng.standard_normal((3, 4, 8)); k, v = rng.standard_normal((2, 3, 16, 2, 8))
+    >>> out, lse = ba.attention(q, k, v, layout, variant=ba.Variant(causal=True), return_lse=True)
+    >>> out.shape, lse.shape
+    ((3, 4, 8), (3, 4))
+    """
+    be = get_backend(backend)
+    variant = Variant() if variant is None else variant
+    run_kwargs = dict(return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+    if isinstance(layout, BSRLayout):
+        spec = spec_from_inputs(q, k, v, layout, variant, kv_layout, out=out, lse=lse, **run_kwargs)
+        o, s = be.attention(spec, q, k, v, out=out, lse=lse, **run_kwargs)
+        return (o, s) if return_lse else o
+    levels = _levels(layout)
+    specs = [spec_from_inputs(q, k, v, level, _level_variant(layout, i, variant), kv_layout, out=out, lse=lse,
+                              **run_kwargs) for i, level in enumerate(levels)]
+    states = [be.attention(spec, q, k, v, out=None, lse=None, return_lse=not variant.use_sigmoid,
+                           k_scale=k_scale, v_scale=v_scale) for spec in specs]
+    o, s = _merge_levels(be, states, variant, out, lse)
+    return (o, s) if return_lse else o
+
+
+class BatchAttention:
+    """Plan once per step (host), run once per layer (device): FlashInfer's inspector-executor split.
+
+    Examples
+    --------
+    >>> import numpy as np, bsrattn as ba
+    >>> layout = ba.layouts.ragged([1, 1], [40, 9])
+    >>> attn = ba.BatchAttention(backend="reference")
+    >>> attn.plan(layout, num_qo_heads=4, num_kv_heads=2, head_dim=8, num_ctas=4)
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((2, 4, 8)), rng.standard_normal((49, 2, 8)), rng.standard_normal((49, 2, 8))
+    >>> np.allclose(attn.run(q, k, v), ba.attention(q, k, v, layout))
+    True
+    """
+
+    def __init__(self, backend=None):
+        self.backend = get_backend(backend)
+        self._layout = None
+        self._specs: list = []
+        self._runners: list = []
+
+    def plan(self, layout, num_qo_heads, num_kv_heads, head_dim, *, variant=None, q_dtype=None, kv_dtype=None,
+             kv_layout="NHD", num_ctas=None, fixed_split_size=None, disable_split_kv=False):
+        """Compute the :class:`~bsrattn.scheduler.WorkPlan` for ``layout`` and bind it to this object.
+
+        ``num_ctas`` is CTAs per KV head (default: the tier's, one wave of the GPU). ``fixed_split_size``
+        fixes the KV chunk size (batch invariance); ``disable_split_kv`` gives each query tile one item.
+        Calling ``plan`` again refills the tier's buffers in place where it can (CUDA-graph replay).
+        """
+        variant = Variant() if variant is None else variant
+        levels = _levels(layout)
+        specs, runners = [], []
+        for i, level in enumerate(levels):
+            spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, _level_variant(layout, i, variant),
+                             q_dtype, kv_dtype, kv_layout)
+            options = dict(self.backend.plan_options(spec))
+            if num_ctas is not None:
+                options["num_ctas"] = num_ctas
+            work_plan = scheduler.plan(level.qo_lens, level.kv_lens, fixed_split_size=fixed_split_size,
+                                       disable_split_kv=disable_split_kv, **options)
+            previous = self._runners[i] if i < len(self._runners) else None
+            runners.append(self.backend.make_runner(spec, work_plan, previous=previous))
+            specs.append(spec)
+        self._layout, self._specs, self._runners = layout, specs, runners
+
+    @property
+    def work_plans(self) -> list:
+        """The current plan of each level (one for a plain layout)."""
+        return [r.work_plan for r in self._runners]
+
+    def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+        """Execute the plan on ``q``, ``k``, ``v`` (shapes as in :func:`attention`); may be called many times."""
+        if not self._runners:
+            raise RuntimeError("BatchAttention.run called before plan()")
+        run_kwargs = dict(k_scale=k_scale, v_scale=v_scale)
+        for spec in self._specs:
+            spec.check_run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
+        if len(self._runners) == 1:
+            o, s = self._runners[0].run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
+            return (o, s) if return_lse else o
+        variant = self._specs[-1].variant
+        states = [r.run(q, k, v, out=None, lse=None, return_lse=not variant.use_sigmoid, **run_kwargs)
+                  for r in self._runners]
+        o, s = _merge_levels(self.backend, states, variant, out, lse)
+        return (o, s) if return_lse else o
+
+
+def _check_state(name_o, o, name_lse, lse):
+    if len(shape_of(o)) < 2 or shape_of(lse) != shape_of(o)[:-1]:
+        raise ValueError(f"{name_o} has shape {shape_of(o)} and {name_lse} {shape_of(lse)}: "
+                         f"need {name_o} [..., H, D] and {name_lse} [..., H]")
+
+
+def merge_state(o_a, lse_a, o_b, lse_b, *, backend=None):
+    """The ⊕ operator: merge two attention states over disjoint keys. See :mod:`bsrattn.reference.merge`.
+
+    >>> import numpy as np, bsrattn as ba
+    >>> o, s = ba.merge_state(np.ones((1, 1, 2)), np.zeros((1, 1)), 3 * np.ones((1, 1, 2)), np.zeros((1, 1)))
+    >>> o.tolist(), np.round(s, 4).tolist()
+    ([[[2.0, 2.0]]], [[0.6931]])
+    """
+    _check_state("o_a", o_a, "lse_a", lse_a)
+    _check_state("o_b", o_b, "lse_b", lse_b)
+    if shape_of(o_a) != shape_of(o_b):
+        raise ValueError(f"o_a {shape_of(o_a)} and o_b {shape_of(o_b)} must have the same shape")
+    return get_backend(backend).merge_state(o_a, lse_a, o_b, lse_b)
+
+
+def merge_states(o, lse, *, backend=None):
+    """Fold ``o [n, S, H, D]``, ``lse [n, S, H]`` over ``S`` in index order. See :mod:`bsrattn.reference.merge`."""
+    if len(shape_of(o)) != 4 or shape_of(lse) != shape_of(o)[:3]:
+        raise ValueError(f"merge_states needs o [n, S, H, D] and lse [n, S, H]; got {shape_of(o)} and {shape_of(lse)}")
+    if shape_of(o)[1] == 0:
+        raise ValueError("merge_states needs at least one state (S >= 1)")
+    return get_backend(backend).merge_states(o, lse)

@@ -1,0 +1,322 @@
+"""The block-sparse-row (BSR) layout: one description for every KV-cache layout.
+
+A :class:`BSRLayout` is FlashInfer's plan input in BSR words. Row ``r`` is a block row (a request, or one
+tile of queries); its columns are KV blocks of ``block_size`` slots taken from a pool of ``num_blocks``
+blocks. Row ``r``'s logical KV sequence is its blocks in order, the last one cut to ``kv_last_len[r]``;
+logical slot ``i`` of it lives at pool slot ``kv_indices[kv_indptr[r] + i // Bc] * Bc + i % Bc``.
+
+Positions are logical: key ``i`` of a row is at position ``i`` and query ``i`` at
+``kv_len - qo_len + i``, whatever pool slots they occupy. Position masks (causal, sliding window) and
+ALiBi use these positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bsrattn import indexing
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _as_index_array(name, values, ndim=1):
+    arr = np.asarray(values)
+    if arr.dtype == bool or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > _INT32_MAX):
+        raise ValueError(f"{name} does not fit in int32 (range {arr.min()}..{arr.max()})")
+    out = np.array(arr, dtype=np.int32, copy=True)
+    out.flags.writeable = False
+    return out
+
+
+def _check_indptr(name, indptr, length=None):
+    if indptr.size == 0 or indptr[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {indptr[:4].tolist()}")
+    steps = np.diff(indptr)
+    if (steps < 0).any():
+        r = int(np.argmax(steps < 0))
+        raise ValueError(f"{name} must be non-decreasing; {name}[{r}]={indptr[r]} > {name}[{r + 1}]={indptr[r + 1]}")
+    if length is not None and indptr[-1] != length:
+        raise ValueError(f"{name}[-1]={indptr[-1]} must equal {length}")
+
+
+@dataclass(frozen=True, eq=False)
+class BSRLayout:
+    """A KV-cache layout as a block-sparse-row matrix (host int32 arrays, validated on construction).
+
+    Parameters
+    ----------
+    qo_indptr : array of int, ``[R+1]``
+        Query rows of row ``r`` are ``qo_indptr[r]:qo_indptr[r+1]``.
+    kv_indptr : array of int, ``[R+1]``
+        Row ``r`` owns ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``.
+    kv_indices : array of int, ``[nnz]``
+        KV block (page) ids, each in ``[0, num_blocks)``.
+    kv_last_len : array of int, ``[R]``
+        Valid slots of row ``r``'s last block, ``1..block_size``; 0 for a row with no blocks.
+    block_size : int
+        Bc: 1 for ragged and vector-sparse layouts, the page size for a paged cache.
+    num_blocks : int
+        KV blocks in the pool.
+    custom_mask : array of bool, optional
+        Per-row ``[qo_len, kv_len]`` element masks, flattened row-major and concatenated over rows.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> layout = ba.layouts.paged([1, 1], [[3, 0], [2]], kv_lens=[20, 5], page_size=16, num_pages=4)
+    >>> layout.kv_lens.tolist(), layout.kv_slots(0)[14:18].tolist()
+    ([20, 5], [62, 63, 0, 1])
+    """
+
+    qo_indptr: np.ndarray  # [R+1]
+    kv_indptr: np.ndarray  # [R+1]
+    kv_indices: np.ndarray  # [nnz]
+    kv_last_len: np.ndarray  # [R]
+    block_size: int
+    num_blocks: int
+    custom_mask: np.ndarray | None = None  # [sum_r qo_len[r] * kv_len[r]] bool
+    _mask_indptr: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        for name in ("block_size", "num_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            set_(self, name, int(value))
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks < 0 or self.num_blocks * self.block_size > _INT32_MAX:
+            raise ValueError(f"num_blocks={self.num_blocks} x block_size={self.block_size} is out of range")
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_len"):
+            set_(self, name, _as_index_array(name, getattr(self, name)))
+        num_rows = self.qo_indptr.size - 1
+        if self.kv_indptr.size != num_rows + 1:
+            raise ValueError(f"kv_indptr has shape {self.kv_indptr.shape}, qo_indptr {self.qo_indptr.shape}: "
+                             f"both must be [R+1]")
+        if self.kv_last_len.size != num_rows:
+            raise ValueError(f"kv_last_len has shape {self.kv_last_len.shape}, expected [R]=[{num_rows}]")
+        _check_indptr("qo_indptr", self.qo_indptr)
+        _check_indptr("kv_indptr", self.kv_indptr, self.kv_indices.size)
+        if self.kv_indices.size:
+            bad = (self.kv_indices < 0) | (self.kv_indices >= self.num_blocks)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"kv_indices[{i}]={self.kv_indices[i]} is outside [0, num_blocks={self.num_blocks})")
+        has_blocks = np.diff(self.kv_indptr) > 0
+        lo = np.where(has_blocks, 1, 0)
+        hi = np.where(has_blocks, self.block_size, 0)
+        bad = (self.kv_last_len < lo) | (self.kv_last_len > hi)
+        if bad.any():
+            r = int(np.argmax(bad))
+            raise ValueError(f"kv_last_len[{r}]={self.kv_last_len[r]} must be in {lo[r]}..{hi[r]} "
+                             f"(row {r} has {int(np.diff(self.kv_indptr)[r])} blocks of block_size={self.block_size})")
+        mask_indptr = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(self.qo_lens.astype(np.int64) * self.kv_lens, out=mask_indptr[1:])
+        mask_indptr.flags.writeable = False
+        set_(self, "_mask_indptr", mask_indptr)
+        if self.custom_mask is not None:
+            mask = np.asarray(self.custom_mask)
+            if mask.dtype != bool:
+                raise TypeError(f"custom_mask must be bool, got dtype {mask.dtype}")
+            mask = np.array(mask.reshape(-1), copy=True)
+            if mask.size != mask_indptr[-1]:
+                raise ValueError(f"custom_mask has {mask.size} elements, expected sum(qo_len*kv_len)={mask_indptr[-1]}")
+            mask.flags.writeable = False
+            set_(self, "custom_mask", mask)
+
+    # ---- derived views -------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        """R, the number of block rows."""
+        return self.qo_indptr.size - 1
+
+    @property
+    def nnz_qo(self) -> int:
+        """Query rows in total (the leading dimension of ``q``)."""
+        return int(self.qo_indptr[-1])
+
+    @property
+    def num_slots(self) -> int:
+        """KV slots in the pool, ``num_blocks * block_size``."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def qo_lens(self) -> np.ndarray:
+        """``[R]`` query rows per row."""
+        return np.diff(self.qo_indptr)
+
+    @property
+    def kv_lens(self) -> np.ndarray:
+        """``[R]`` KV slots per row: full blocks plus the last one cut to ``kv_last_len``."""
+        nblocks = np.diff(self.kv_indptr)
+        return np.where(nblocks > 0, (nblocks - 1) * self.block_size + self.kv_last_len, 0).astype(np.int32)
+
+    @property
+    def mask_indptr(self) -> np.ndarray:
+        """``[R+1]`` offsets of each row's ``[qo_len, kv_len]`` block in ``custom_mask``."""
+        return self._mask_indptr
+
+    def kv_slots(self, r: int) -> np.ndarray:
+        """Pool slots of row ``r``'s logical KV sequence, in order (``[kv_len[r]]``)."""
+        if not 0 <= r < self.num_rows:
+            raise IndexError(f"row {r} is outside [0, {self.num_rows})")
+        i = np.arange(self.kv_lens[r], dtype=np.int64)
+        return indexing.sparse_slot(self.kv_indices.astype(np.int64), int(self.kv_indptr[r]), self.block_size, i)
+
+    def row_mask(self, r: int) -> np.ndarray | None:
+        """Row ``r``'s ``[qo_len, kv_len]`` custom mask, or None when the layout has none."""
+        if self.custom_mask is None:
+            return None
+        lo, hi = self._mask_indptr[r], self._mask_indptr[r + 1]
+        return self.custom_mask[lo:hi].reshape(int(self.qo_lens[r]), int(self.kv_lens[r]))
+
+    def to_dense_mask(self, variant=None) -> np.ndarray:
+        """``[nnz_qo, num_slots]`` bool: which pool slot each query row attends.
+
+        Combines the block structure, ``kv_last_len``, the custom mask and, when a ``variant`` is given,
+        its position masks (causal, sliding window). A row that lists a slot twice cannot be drawn as a
+        mask and raises ``ValueError``.
+        """
+        from bsrattn.variant import Variant
+
+        variant = Variant() if variant is None else variant
+        dense = np.zeros((self.nnz_qo, self.num_slots), dtype=bool)
+        for r in range(self.num_rows):
+            slots = self.kv_slots(r)
+            if np.unique(slots).size != slots.size:
+                raise ValueError(f"row {r} lists a KV slot more than once; a dense mask cannot represent that")
+            visible = variant.position_mask(int(self.qo_lens[r]), int(self.kv_lens[r]))
+            mask = self.row_mask(r)
+            if mask is not None:
+                visible = visible & mask
+            dense[self.qo_indptr[r]:self.qo_indptr[r + 1], slots] = visible
+        return dense
+
+    def block_occupancy(self, block_rows: int = 1, block_cols: int | None = None) -> np.ndarray:
+        """``[ceil(nnz_qo/Br), ceil(num_slots/Bc)]`` bool: the BSR picture, which tiles hold a visible pair."""
+        block_cols = self.block_size if block_cols is None else block_cols
+        dense = self.to_dense_mask()
+        rows = indexing.ceil_div(dense.shape[0], block_rows)
+        cols = indexing.ceil_div(dense.shape[1], block_cols)
+        padded = np.zeros((rows * block_rows, cols * block_cols), dtype=bool)
+        padded[:dense.shape[0], :dense.shape[1]] = dense
+        return padded.reshape(rows, block_rows, cols, block_cols).any(axis=(1, 3))
+
+    def read_amplification(self, kernel_block_size: int) -> "ReadAmplification":
+        """KV slots a kernel with a fixed ``kernel_block_size`` reads to serve this layout.
+
+        A kernel that loads aligned blocks of ``kernel_block_size`` pool slots must read every block that
+        holds a needed slot. Needed slots are counted per row (a slot two rows use is needed twice).
+
+        >>> import numpy as np, bsrattn as ba
+        >>> pages = np.arange(64) * 64          # 64 scattered pages of 16 slots
+        >>> lay = ba.layouts.paged([1], [pages], kv_lens=[1024], page_size=16, num_pages=4096)
+        >>> amp = lay.read_amplification(128)
+        >>> amp.needed, amp.read, amp.ratio
+        (1024, 8192, 8.0)
+        """
+        if kernel_block_size < 1:
+            raise ValueError(f"kernel_block_size must be >= 1, got {kernel_block_size}")
+        needed = read = 0
+        for r in range(self.num_rows):
+            slots = self.kv_slots(r)
+            needed += slots.size
+            read += np.unique(slots // kernel_block_size).size * kernel_block_size
+        return ReadAmplification(kernel_block_size, int(needed), int(read))
+
+    def __repr__(self):
+        return (f"BSRLayout(R={self.num_rows}, nnz_qo={self.nnz_qo}, nnz_blocks={self.kv_indices.size}, "
+                f"block_size={self.block_size}, num_blocks={self.num_blocks}, "
+                f"custom_mask={self.custom_mask is not None})")
+
+
+@dataclass(frozen=True)
+class ReadAmplification:
+    """Slots needed against slots read by a kernel of block size ``kernel_block_size``."""
+
+    kernel_block_size: int
+    needed: int
+    read: int
+
+    @property
+    def ratio(self) -> float:
+        return self.read / self.needed if self.needed else 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class Cascade:
+    """Levels of one attention whose states merge with ⊕ (composable formats).
+
+    Every level has the same query rows (``nnz_qo``) and reads the same KV pool; level ``l`` covers a
+    disjoint part of each query's keys. The attention over the cascade is the ⊕-fold of the levels' states
+    in level order. Levels before the last precede every query (a shared prefix), so position masks apply
+    only within the last level; variants that need absolute positions (ALiBi, sliding window) are rejected.
+    """
+
+    levels: tuple
+
+    def __post_init__(self):
+        levels = tuple(self.levels)
+        if not levels:
+            raise ValueError("a Cascade needs at least one level")
+        for i, level in enumerate(levels):
+            if not isinstance(level, BSRLayout):
+                raise TypeError(f"levels[{i}] must be a BSRLayout, got {type(level).__name__}")
+            if level.nnz_qo != levels[0].nnz_qo:
+                raise ValueError(f"levels[{i}] has nnz_qo={level.nnz_qo}, levels[0] has {levels[0].nnz_qo}")
+            if level.num_slots != levels[0].num_slots:
+                raise ValueError(f"levels[{i}] addresses {level.num_slots} pool slots, levels[0] {levels[0].num_slots}: "
+                                 f"levels must share one KV pool")
+            if level.custom_mask is not None:
+                raise ValueError(f"levels[{i}] has a custom_mask; cascade levels take position masks only")
+        object.__setattr__(self, "levels", levels)
+
+    @property
+    def nnz_qo(self) -> int:
+        return self.levels[0].nnz_qo
+
+    @property
+    def num_slots(self) -> int:
+        return self.levels[0].num_slots
+
+    def level_variant(self, level: int, variant):
+        """The variant level ``level`` runs with: levels before the last see all their keys."""
+        from dataclasses import replace
+
+        if variant.alibi_slopes is not None or variant.window_left >= 0:
+            raise ValueError("Cascade does not support alibi_slopes or window_left: its levels do not know "
+                             "absolute positions; use the flattened layout (Cascade.flatten())")
+        return variant if level == len(self.levels) - 1 else replace(variant, causal=False)
+
+    def flatten(self) -> BSRLayout:
+        """The same attention as one ``block_size=1`` layout: each query's slots from every level in order.
+
+        Requires each level's rows to cover contiguous runs of queries so that a query's row in every level
+        is well defined; the flattened layout has one row per query row of the last level's rows.
+        """
+        last = self.levels[-1]
+        slots_per_query = [[] for _ in range(self.nnz_qo)]
+        for level in self.levels:
+            for r in range(level.num_rows):
+                slots = level.kv_slots(r)
+                for qi in range(level.qo_indptr[r], level.qo_indptr[r + 1]):
+                    slots_per_query[qi].append(slots)
+        rows_qo, rows_kv = [], []
+        for r in range(last.num_rows):
+            lo, hi = int(last.qo_indptr[r]), int(last.qo_indptr[r + 1])
+            prefixes = [np.concatenate(slots_per_query[qi][:-1]) if len(slots_per_query[qi]) > 1
+                        else np.zeros(0, np.int64) for qi in range(lo, hi)]
+            if any(not np.array_equal(p, prefixes[0]) for p in prefixes[1:]):
+                raise ValueError(f"queries of last-level row {r} see different earlier-level keys")
+            rows_qo.append(hi - lo)
+            rows_kv.append(np.concatenate([prefixes[0], last.kv_slots(r)]) if prefixes else last.kv_slots(r))
+        from bsrattn.layouts import vector_sparse
+
+        return vector_sparse(rows_kv, rows_qo, self.num_slots)

@@ -1,0 +1,264 @@
+"""Constructors: every KV-cache layout a serving engine uses, as one :class:`~bsrattn.BSRLayout`.
+
+| layout | block size Bc | rows | what the indices are |
+|---|---|---|---|
+| :func:`dense` / :func:`ragged` | 1 | one per request | consecutive slots (the affine path) |
+| :func:`paged` | page size | one per request | the page table |
+| :func:`block_sparse` | C | one per block row of R queries | column blocks |
+| :func:`vector_sparse` | 1 | one per request | the kept token slots (KV pruning) |
+| :func:`quest` | page size | one per (request, KV head) | each head's selected pages |
+| :func:`tree` | page size | one per request | the page table, plus a tree mask |
+| :func:`shared_prefix` | page size | a :class:`~bsrattn.Cascade` | prefix level (all queries in one row) + suffixes |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from bsrattn import indexing
+from bsrattn.layout import BSRLayout, Cascade
+
+__all__ = ["dense", "ragged", "paged", "block_sparse", "vector_sparse", "quest", "tree", "shared_prefix",
+           "per_head_views"]
+
+
+def _lengths(name, values, size=None):
+    arr = np.asarray(values)
+    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
+    if (arr < 0).any():
+        raise ValueError(f"{name} must be >= 0, got {arr.tolist()[:8]}")
+    if size is not None and arr.size != size:
+        raise ValueError(f"{name} has {arr.size} entries, expected {size}")
+    return arr.astype(np.int64)
+
+
+def _indptr(lengths):
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _last_len(kv_lens, block_size):
+    return np.where(kv_lens > 0, kv_lens - (indexing.ceil_div(kv_lens, block_size) - 1) * block_size, 0)
+
+
+def ragged(qo_lens, kv_lens) -> BSRLayout:
+    """Variable-length requests, each with its KV contiguous in one ``[sum(kv_lens), H, D]`` buffer (Bc=1).
+
+    >>> import bsrattn as ba
+    >>> ba.layouts.ragged([2, 1], [5, 3]).kv_slots(1).tolist()
+    [5, 6, 7]
+    """
+    kv_lens = _lengths("kv_lens", kv_lens)
+    qo_lens = _lengths("qo_lens", qo_lens, kv_lens.size)
+    total = int(kv_lens.sum())
+    return BSRLayout(_indptr(qo_lens), _indptr(kv_lens), np.arange(total), np.minimum(kv_lens, 1), 1, total)
+
+
+def dense(qo_len: int, kv_len: int) -> BSRLayout:
+    """One request: ``qo_len`` queries over ``kv_len`` contiguous keys (plain attention)."""
+    return ragged([qo_len], [kv_len])
+
+
+def paged(qo_lens, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRLayout:
+    """A paged KV cache: Bc = page size, and the indices array is the page table.
+
+    Parameters
+    ----------
+    qo_lens : sequence of int, ``[B]``
+    page_tables : sequence of sequences of int, ``[B][>= ceil(kv_len/page_size)]``
+        Pool pages of each request in order; entries past ``ceil(kv_len / page_size)`` are ignored.
+    kv_lens : sequence of int, ``[B]``
+    page_size, num_pages : int
+
+    >>> import bsrattn as ba
+    >>> lay = ba.layouts.paged([1], [[7, 2]], kv_lens=[20], page_size=16, num_pages=8)
+    >>> lay.kv_last_len.tolist(), lay.kv_slots(0)[15:17].tolist()
+    ([4], [127, 32])
+    """
+    kv_lens = _lengths("kv_lens", kv_lens)
+    qo_lens = _lengths("qo_lens", qo_lens, kv_lens.size)
+    if len(page_tables) != kv_lens.size:
+        raise ValueError(f"page_tables has {len(page_tables)} rows, kv_lens has {kv_lens.size}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    n_pages = indexing.ceil_div(kv_lens, page_size)
+    tables = []
+    for b, table in enumerate(page_tables):
+        table = np.asarray(table, dtype=np.int64).reshape(-1)
+        if table.size < n_pages[b]:
+            raise ValueError(f"page_tables[{b}] has {table.size} pages, kv_lens[{b}]={kv_lens[b]} needs {n_pages[b]}")
+        tables.append(table[:n_pages[b]])
+    indices = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+    return BSRLayout(_indptr(qo_lens), _indptr(n_pages), indices, _last_len(kv_lens, page_size), page_size, num_pages)
+
+
+def block_sparse(indptr, indices, M: int, N: int, R: int, C: int, mask=None) -> BSRLayout:
+    """FlashInfer's ``BlockSparseAttention`` form: an ``[M, N]`` matrix of ``R x C`` blocks.
+
+    Parameters
+    ----------
+    indptr : ``[M/R + 1]``
+        Block row ``i`` holds column blocks ``indices[indptr[i]:indptr[i+1]]``.
+    indices : ``[nnz]``
+        Column block ids in ``[0, N/C)``.
+    M, N, R, C : int
+        Query rows, key columns, block height and block width (``M % R == 0``, ``N % C == 0``).
+    mask : array of bool, optional ``[nnz, R, C]``
+        Element masks of the non-zero blocks.
+
+    ``k`` and ``v`` are ``[N, num_kv_heads, head_dim]``. Positions within a block row are its listed keys in
+    order, so position masks (causal) count the row's gathered keys, not matrix columns.
+    """
+    if R < 1 or C < 1 or M % R or N % C:
+        raise ValueError(f"need M % R == 0 and N % C == 0 with R, C >= 1; got M={M}, N={N}, R={R}, C={C}")
+    rows = M // R
+    indptr = np.asarray(indptr, dtype=np.int64)
+    if indptr.shape != (rows + 1,):
+        raise ValueError(f"indptr has shape {indptr.shape}, expected [M/R + 1]=[{rows + 1}]")
+    nblocks = np.diff(indptr)
+    custom = None
+    if mask is not None:
+        mask = np.asarray(mask)
+        nnz = int(indptr[-1])
+        if mask.shape != (nnz, R, C):
+            raise ValueError(f"mask has shape {mask.shape}, expected [nnz, R, C]=[{nnz}, {R}, {C}]")
+        custom = np.concatenate([mask[indptr[i]:indptr[i + 1]].transpose(1, 0, 2).reshape(-1)
+                                 for i in range(rows)]) if rows else np.zeros(0, bool)
+    return BSRLayout(np.arange(rows + 1) * R, indptr, indices, np.where(nblocks > 0, C, 0), C, N // C, custom)
+
+
+def vector_sparse(token_indices, qo_lens, num_slots: int) -> BSRLayout:
+    """KV pruning (H2O, Quest at token level): each request keeps a scattered list of slots (Bc=1).
+
+    >>> import bsrattn as ba
+    >>> ba.layouts.vector_sparse([[9, 2, 5]], [1], num_slots=16).kv_slots(0).tolist()
+    [9, 2, 5]
+    """
+    tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_indices]
+    kv_lens = np.array([t.size for t in tokens], dtype=np.int64)
+    qo_lens = _lengths("qo_lens", qo_lens, kv_lens.size)
+    indices = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
+    return BSRLayout(_indptr(qo_lens), _indptr(kv_lens), indices, np.minimum(kv_lens, 1), 1, num_slots)
+
+
+def quest(page_tables, kv_lens, selected_pages, page_size: int, num_pages: int, num_kv_heads: int) -> BSRLayout:
+    """Per-head page selection (Quest) for decode: one row per (request, KV head).
+
+    Each KV head of each request attends only its own selected pages. The layout addresses the KV cache in
+    HND form viewed per head: ``k`` of shape ``[num_pages, num_kv_heads, page_size, head_dim]`` viewed as
+    ``[num_pages * num_kv_heads, page_size, 1, head_dim]``, where page ``p`` of head ``h`` is block
+    ``p * num_kv_heads + h``; the query ``[B, num_qo_heads, D]`` is viewed as ``[B * num_kv_heads, G, D]``.
+    :func:`per_head_views` makes both views.
+
+    Parameters
+    ----------
+    page_tables : ``[B][n_pages_b]`` pool pages of each request.
+    kv_lens : ``[B]`` tokens in each request.
+    selected_pages : ``[B][num_kv_heads][budget]`` logical page numbers (indices into the page table) each
+        head keeps, in increasing order. A selected partial last page must come last.
+    """
+    kv_lens = _lengths("kv_lens", kv_lens)
+    batch = kv_lens.size
+    if len(page_tables) != batch or len(selected_pages) != batch:
+        raise ValueError(f"page_tables ({len(page_tables)}) and selected_pages ({len(selected_pages)}) "
+                         f"need one entry per request ({batch})")
+    n_pages = indexing.ceil_div(kv_lens, page_size)
+    last_len = _last_len(kv_lens, page_size)
+    indices, kv_indptr, kv_last = [], [0], []
+    for b in range(batch):
+        table = np.asarray(page_tables[b], dtype=np.int64).reshape(-1)
+        if table.size < n_pages[b]:
+            raise ValueError(f"page_tables[{b}] has {table.size} pages, kv_lens[{b}]={kv_lens[b]} needs {n_pages[b]}")
+        if len(selected_pages[b]) != num_kv_heads:
+            raise ValueError(f"selected_pages[{b}] has {len(selected_pages[b])} heads, expected {num_kv_heads}")
+        for h in range(num_kv_heads):
+            sel = np.asarray(selected_pages[b][h], dtype=np.int64).reshape(-1)
+            if sel.size and (sel.min() < 0 or sel.max() >= n_pages[b]):
+                raise ValueError(f"selected_pages[{b}][{h}] has pages outside [0, {n_pages[b]})")
+            if (np.diff(sel) <= 0).any():
+                raise ValueError(f"selected_pages[{b}][{h}] must be strictly increasing")
+            indices.append(table[sel] * num_kv_heads + h)
+            kv_indptr.append(kv_indptr[-1] + sel.size)
+            kv_last.append(0 if sel.size == 0 else (last_len[b] if sel[-1] == n_pages[b] - 1 else page_size))
+    rows = batch * num_kv_heads
+    return BSRLayout(np.arange(rows + 1), kv_indptr, np.concatenate(indices) if indices else np.zeros(0, np.int64),
+                     kv_last, page_size, num_pages * num_kv_heads)
+
+
+def per_head_views(q, k, v, num_kv_heads: int):
+    """Views of decode ``q [B, Hq, D]`` and HND ``k, v [P, Hkv, page, D]`` for a :func:`quest` layout.
+
+    Returns ``q [B*Hkv, Hq/Hkv, D]`` and ``k, v [P*Hkv, page, 1, D]`` (no copies for contiguous inputs).
+    Reshape the output back with ``out.reshape(B, Hq, D)``.
+    """
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"num_qo_heads={q.shape[1]} is not a multiple of num_kv_heads={num_kv_heads}")
+    if k.shape[1] != num_kv_heads or v.shape != k.shape:
+        raise ValueError(f"k, v must be HND [P, {num_kv_heads}, page, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
+    group = q.shape[1] // num_kv_heads
+    page_size, head_dim = k.shape[2], k.shape[3]
+    return (q.reshape(q.shape[0] * num_kv_heads, group, q.shape[2]),
+            k.reshape(k.shape[0] * num_kv_heads, page_size, 1, head_dim),
+            v.reshape(v.shape[0] * num_kv_heads, page_size, 1, head_dim))
+
+
+def tree(parents, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRLayout:
+    """Speculative tree decoding: the draft tree's tokens as queries under a tree mask.
+
+    Request ``b`` has a draft tree of ``n_b = len(parents[b])`` nodes stored as the last ``n_b`` of its
+    ``kv_lens[b]`` KV slots, in node order; ``parents[b][i]`` is node ``i``'s parent (``-1`` for a root,
+    else ``< i``). Node ``i`` is query row ``i`` and attends every committed token (the first
+    ``kv_lens[b] - n_b`` slots), its ancestors and itself.
+
+    >>> import bsrattn as ba
+    >>> lay = ba.layouts.tree([[-1, 0, 0]], [[0]], kv_lens=[5], page_size=8, num_pages=1)
+    >>> lay.row_mask(0).astype(int).tolist()
+    [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
+    """
+    kv_lens = _lengths("kv_lens", kv_lens)
+    if len(parents) != kv_lens.size:
+        raise ValueError(f"parents has {len(parents)} trees, kv_lens has {kv_lens.size}")
+    masks, qo_lens = [], []
+    for b, par in enumerate(parents):
+        par = np.asarray(par, dtype=np.int64).reshape(-1)
+        n = par.size
+        if n > kv_lens[b]:
+            raise ValueError(f"tree {b} has {n} nodes but kv_lens[{b}]={kv_lens[b]}")
+        if ((par >= np.arange(n)) | (par < -1)).any():
+            raise ValueError(f"parents[{b}] must satisfy -1 <= parents[i] < i, got {par.tolist()}")
+        prefix = kv_lens[b] - n
+        mask = np.zeros((n, kv_lens[b]), dtype=bool)
+        mask[:, :prefix] = True
+        for i in range(n):
+            node = i
+            while node >= 0:
+                mask[i, prefix + node] = True
+                node = par[node]
+        masks.append(mask.reshape(-1))
+        qo_lens.append(n)
+    base = paged(qo_lens, page_tables, kv_lens, page_size, num_pages)
+    return BSRLayout(base.qo_indptr, base.kv_indptr, base.kv_indices, base.kv_last_len, page_size, num_pages,
+                     np.concatenate(masks) if masks else np.zeros(0, bool))
+
+
+def shared_prefix(qo_lens, prefix_pages, prefix_len: int, suffix_page_tables, suffix_lens, page_size: int,
+                  num_pages: int) -> Cascade:
+    """A prefix shared by every request, then per-request suffixes: a two-level :class:`~bsrattn.Cascade`.
+
+    Level 0 puts every request's queries in one block row over the prefix pages, so they share one load of
+    the prefix; level 1 is a plain paged layout of the suffixes (``Br = 1`` per request). Both index the
+    same KV pool; their states merge with ⊕.
+
+    >>> import bsrattn as ba
+    >>> c = ba.layouts.shared_prefix([1, 1], [0, 1], 32, [[2], [3]], [5, 9], page_size=16, num_pages=4)
+    >>> [lvl.num_rows for lvl in c.levels], c.levels[0].kv_lens.tolist()
+    ([1, 2], [32])
+    """
+    qo_lens = _lengths("qo_lens", qo_lens)
+    prefix = paged([int(qo_lens.sum())], [prefix_pages], [prefix_len], page_size, num_pages)
+    suffix = paged(qo_lens, suffix_page_tables, suffix_lens, page_size, num_pages)
+    return Cascade((prefix, suffix))

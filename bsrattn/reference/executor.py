@@ -1,0 +1,50 @@
+"""A :class:`~bsrattn.scheduler.WorkPlan` executed as a GPU would, CTA by CTA, then the merge.
+
+This is the executable spec of the numba and torch executors: each CTA walks its work items in plan order;
+an item of a split tile writes its partial state into its workspace rows, an unsplit item writes the output
+directly; then each merge list folds its partial states in the order the plan gives. The result is a pure
+function of the inputs and the plan (no order depends on timing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bsrattn.reference.gather import kv_as_slots
+from bsrattn.reference.merge import merge_state
+from bsrattn.reference.microkernel import attend_range
+
+
+def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.float64):
+    """Run ``work_plan`` on ``q [nnz_qo, Hq, D]``, ``k, v`` (any accepted storage); returns ``(o, lse)`` in ``dtype``."""
+    k_slots = kv_as_slots(k, spec, k_scale, dtype)
+    v_slots = kv_as_slots(v, spec, v_scale, dtype)
+    shape = (spec.layout.nnz_qo, spec.num_qo_heads, spec.head_dim)
+    out = np.zeros(shape, dtype)
+    lse = np.full(shape[:2], -np.inf, dtype)
+    part_o = np.full((work_plan.num_partial_rows,) + shape[1:], np.nan, dtype)
+    part_lse = np.full((work_plan.num_partial_rows, shape[1]), np.nan, dtype)
+    q = np.asarray(q)
+    for cta in range(work_plan.num_ctas):
+        for w in range(work_plan.cta_indptr[cta], work_plan.cta_indptr[cta + 1]):
+            qs, qe = int(work_plan.item_qo_start[w]), int(work_plan.item_qo_end[w])
+            o, s = attend_range(spec, q, k_slots, v_slots, int(work_plan.item_row[w]), qs, qe,
+                                int(work_plan.item_kv_start[w]), int(work_plan.item_kv_end[w]), dtype)
+            p = int(work_plan.item_partial[w])
+            if p < 0:
+                out[qs:qe], lse[qs:qe] = o, s
+            else:
+                part_o[p:p + qe - qs], part_lse[p:p + qe - qs] = o, s
+    for m in range(work_plan.num_merges):
+        qs, qe = int(work_plan.merge_qo_start[m]), int(work_plan.merge_qo_end[m])
+        starts = work_plan.merge_partials[work_plan.merge_indptr[m]:work_plan.merge_indptr[m + 1]]
+        acc_o, acc_lse = part_o[starts[0]:starts[0] + qe - qs], part_lse[starts[0]:starts[0] + qe - qs]
+        for p in starts[1:]:
+            if spec.variant.use_sigmoid:
+                acc_o = acc_o + part_o[p:p + qe - qs]
+            else:
+                acc_o, acc_lse = merge_state(acc_o, acc_lse, part_o[p:p + qe - qs], part_lse[p:p + qe - qs])
+        out[qs:qe], lse[qs:qe] = acc_o, acc_lse
+    if spec.variant.use_sigmoid:
+        lse[:] = np.nan
+    return out, lse

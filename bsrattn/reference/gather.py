@@ -1,0 +1,38 @@
+"""The load module, as NumPy: which pool slots a (row, KV range) reads, and the KV rows at those slots.
+
+A kernel gathers the selected KV rows into fast memory before its dense microkernel; here the "fast
+memory" is a NumPy array. FP8 KV is dequantised on load (``x.astype(f64) * scale``), which is the spec the
+fp8 paths of the other tiers must match.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bsrattn import indexing
+from bsrattn.validation import AttentionSpec
+
+
+def kv_as_slots(x, spec: AttentionSpec, scale=None, dtype=np.float64) -> np.ndarray:
+    """``k`` or ``v`` in any accepted storage as ``[num_slots, num_kv_heads, head_dim]`` in ``dtype``.
+
+    ``scale`` multiplies fp8 KV after the cast (``k_scale``/``v_scale``, 1 when None).
+    """
+    x = np.asarray(x)
+    if spec.kv_view == "HND":
+        x = x.transpose(0, 2, 1, 3)
+    x = x.reshape(-1, spec.num_kv_heads, spec.head_dim).astype(dtype)
+    if spec.kv_is_fp8 and scale is not None:
+        x = x * dtype(scale)
+    return x
+
+
+def row_slots(layout, r: int, kv_start: int, kv_end: int) -> np.ndarray:
+    """Pool slots of row ``r``'s logical KV slots ``kv_start:kv_end`` (the sparse path)."""
+    i = np.arange(kv_start, kv_end, dtype=np.int64)
+    return indexing.sparse_slot(layout.kv_indices.astype(np.int64), int(layout.kv_indptr[r]), layout.block_size, i)
+
+
+def gather(kv_slots: np.ndarray, layout, r: int, kv_start: int, kv_end: int) -> np.ndarray:
+    """``[kv_end - kv_start, num_kv_heads, head_dim]``: the KV rows of a range of row ``r``."""
+    return kv_slots[row_slots(layout, r, kv_start, kv_end)]

@@ -1,0 +1,161 @@
+"""Input checks shared by every tier: each entry point validates here before it launches anything.
+
+Works on any array kind through ``.shape`` and ``.dtype`` (NumPy, PyTorch, Numba device arrays), so it
+imports none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bsrattn.layout import BSRLayout
+from bsrattn.variant import Variant
+
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def dtype_name(x) -> str:
+    """``'float16'``, ``'bfloat16'``, ``'float8_e4m3fn'``…, for NumPy (with ml_dtypes), torch or numba arrays."""
+    name = str(getattr(x, "dtype", x))
+    return name.removeprefix("torch.")
+
+
+def shape_of(x) -> tuple:
+    return tuple(int(s) for s in x.shape)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The shape of one attention call: what ``plan`` fixes and ``run`` must match.
+
+    ``kv_view`` says how ``k``/``v`` are stored: ``"NHD"`` ``[num_blocks, block_size, Hkv, D]``,
+    ``"HND"`` ``[num_blocks, Hkv, block_size, D]`` or ``"NHD3"`` ``[N, Hkv, D]`` (``block_size == 1``).
+    """
+
+    layout: BSRLayout
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    variant: Variant
+    q_dtype: str | None
+    kv_dtype: str | None
+    kv_view: str
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return self.variant.scale(self.head_dim)
+
+    @property
+    def kv_is_fp8(self) -> bool:
+        return self.kv_dtype in FP8_DTYPES
+
+    def kv_view_of(self, k) -> str:
+        """The storage of this ``k``: an NHD spec with ``block_size == 1`` also takes 3-D ``[N, Hkv, D]``."""
+        if self.kv_view in ("NHD", "NHD3") and self.layout.block_size == 1:
+            return "NHD3" if len(shape_of(k)) == 3 else "NHD"
+        return self.kv_view
+
+    def kv_shape(self, view=None) -> tuple:
+        lay = self.layout
+        return {"NHD": (lay.num_blocks, lay.block_size, self.num_kv_heads, self.head_dim),
+                "HND": (lay.num_blocks, self.num_kv_heads, lay.block_size, self.head_dim),
+                "NHD3": (lay.num_blocks, self.num_kv_heads, self.head_dim)}[view or self.kv_view]
+
+    def check_run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+        """Raise unless ``q``, ``k``, ``v`` (and ``out``/``lse``) match this spec."""
+        want_q = (self.layout.nnz_qo, self.num_qo_heads, self.head_dim)
+        if shape_of(q) != want_q:
+            raise ValueError(f"q has shape {shape_of(q)}, the plan expects [nnz_qo, num_qo_heads, head_dim]={want_q}")
+        view = self.kv_view_of(k)
+        for name, x in (("k", k), ("v", v)):
+            if shape_of(x) != self.kv_shape(view):
+                raise ValueError(f"{name} has shape {shape_of(x)}, the plan expects {self.kv_shape(view)} ({view})")
+        _check_dtypes(q, k, v, k_scale, v_scale)
+        if self.q_dtype is not None and dtype_name(q) != self.q_dtype:
+            raise TypeError(f"q has dtype {dtype_name(q)}, the plan expects {self.q_dtype}")
+        if self.kv_dtype is not None and dtype_name(k) != self.kv_dtype:
+            raise TypeError(f"k has dtype {dtype_name(k)}, the plan expects {self.kv_dtype}")
+        if self.variant.use_sigmoid and (return_lse or lse is not None):
+            raise ValueError("lse is undefined for sigmoid attention (Variant.sigmoid_bias); do not ask for it")
+        if out is not None and shape_of(out) != want_q:
+            raise ValueError(f"out has shape {shape_of(out)}, expected {want_q}")
+        if out is not None and dtype_name(out) != dtype_name(q):
+            raise TypeError(f"out has dtype {dtype_name(out)}, expected q's dtype {dtype_name(q)}")
+        if lse is not None and shape_of(lse) != want_q[:2]:
+            raise ValueError(f"lse has shape {shape_of(lse)}, expected [nnz_qo, num_qo_heads]={want_q[:2]}")
+
+
+def _check_dtypes(q, k, v, k_scale, v_scale):
+    qd, kd, vd = dtype_name(q), dtype_name(k), dtype_name(v)
+    if qd not in FLOAT_DTYPES:
+        raise TypeError(f"q has dtype {qd}; supported: {FLOAT_DTYPES}")
+    if kd != vd:
+        raise TypeError(f"k has dtype {kd} but v has {vd}; they must match")
+    if kd in FP8_DTYPES:
+        if qd not in ("float16", "bfloat16"):
+            raise TypeError(f"fp8 KV ({kd}) needs a float16 or bfloat16 q, got {qd}")
+    elif kd != qd:
+        raise TypeError(f"q has dtype {qd} but k/v have {kd}; they must match (or k/v be fp8)")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if kd not in FP8_DTYPES:
+            raise ValueError(f"{name} applies to fp8 KV only; k/v have dtype {kd}")
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+            raise ValueError(f"{name} must be a positive float, got {scale!r}")
+
+
+def _kv_view(k, kv_layout, block_size):
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    ndim = len(shape_of(k))
+    if ndim == 3:
+        if kv_layout != "NHD" or block_size != 1:
+            raise ValueError(f"3-D k/v ([N, Hkv, D]) need kv_layout='NHD' and block_size 1; "
+                             f"got kv_layout={kv_layout!r}, block_size={block_size}")
+        return "NHD3"
+    if ndim != 4:
+        raise ValueError(f"k must be 4-D [num_blocks, block_size, Hkv, D] (or 3-D with block_size 1), got shape {shape_of(k)}")
+    return kv_layout
+
+
+def make_spec(layout, num_qo_heads, num_kv_heads, head_dim, variant=None, q_dtype=None, kv_dtype=None,
+              kv_view="NHD") -> AttentionSpec:
+    """Validate plan-time arguments and return the spec ``run`` is checked against."""
+    if not isinstance(layout, BSRLayout):
+        raise TypeError(f"layout must be a BSRLayout, got {type(layout).__name__}")
+    variant = Variant() if variant is None else variant
+    if not isinstance(variant, Variant):
+        raise TypeError(f"variant must be a bsrattn.Variant, got {type(variant).__name__}")
+    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    variant.check_heads(num_qo_heads)
+    if q_dtype is not None and q_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q_dtype {q_dtype!r} is not supported; choose from {FLOAT_DTYPES}")
+    if kv_dtype is not None and kv_dtype not in FLOAT_DTYPES + FP8_DTYPES:
+        raise TypeError(f"kv_dtype {kv_dtype!r} is not supported; choose from {FLOAT_DTYPES + FP8_DTYPES}")
+    if kv_view not in ("NHD", "HND", "NHD3"):
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_view!r}")
+    return AttentionSpec(layout, num_qo_heads, num_kv_heads, head_dim, variant, q_dtype, kv_dtype, kv_view)
+
+
+def spec_from_inputs(q, k, v, layout, variant=None, kv_layout="NHD", **run_kwargs) -> AttentionSpec:
+    """Validate a one-shot call's inputs; the spec is read off the arrays."""
+    if not isinstance(layout, BSRLayout):
+        raise TypeError(f"layout must be a BSRLayout, got {type(layout).__name__}")
+    if len(shape_of(q)) != 3:
+        raise ValueError(f"q must be [nnz_qo, num_qo_heads, head_dim], got shape {shape_of(q)}")
+    view = _kv_view(k, kv_layout, layout.block_size)
+    head_axis = 1 if view in ("HND", "NHD3") else 2
+    spec = make_spec(layout, shape_of(q)[1], shape_of(k)[head_axis], shape_of(q)[2], variant, None, None, view)
+    spec.check_run(q, k, v, **run_kwargs)
+    return spec

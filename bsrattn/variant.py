@@ -1,0 +1,104 @@
+"""Attention variants: functions of positions and scores, with FlashInfer's semantics.
+
+For a query at position ``q_pos`` and a key at ``k_pos`` (logical positions, see :mod:`bsrattn.layout`):
+
+1. ``s = sm_scale * (q . k)``
+2. soft cap: ``s = cap * tanh(s / cap)`` when ``logits_soft_cap > 0``
+3. ALiBi: ``s = s + slope[h] * (k_pos - q_pos)`` when ``alibi_slopes`` is given
+4. masks: the key is dropped unless it is causal-visible (``k_pos <= q_pos``), inside the window
+   (``q_pos - k_pos <= window_left``) and set in the layout's custom mask
+5. softmax over the visible keys, or FlashSigmoid: weights ``sigmoid(s + sigmoid_bias)``, not normalised.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from bsrattn import indexing
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How scores become weights.
+
+    Parameters
+    ----------
+    sm_scale : float, optional
+        Score scale; ``None`` means ``1 / sqrt(head_dim)``.
+    causal : bool
+        Bottom-right aligned causal mask: query ``i`` of a row sits at ``kv_len - qo_len + i``.
+    window_left : int
+        Inclusive sliding window: keys with ``q_pos - k_pos <= window_left``; ``-1`` disables it.
+    logits_soft_cap : float
+        ``cap * tanh(score / cap)`` when positive; 0 disables it.
+    alibi_slopes : sequence of float, optional
+        ``[num_qo_heads]`` slopes; bias ``slope * (k_pos - q_pos)``.
+    sigmoid_bias : float, optional
+        FlashSigmoid: weights ``sigmoid(score + bias)`` with no normalisation; ``lse`` is then undefined.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> v = ba.Variant(causal=True, logits_soft_cap=30.0)
+    >>> v.scale(64)
+    0.125
+    """
+
+    sm_scale: float | None = None
+    causal: bool = False
+    window_left: int = -1
+    logits_soft_cap: float = 0.0
+    alibi_slopes: tuple | None = None
+    sigmoid_bias: float | None = None
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        if self.sm_scale is not None:
+            if not math.isfinite(float(self.sm_scale)) or float(self.sm_scale) <= 0:
+                raise ValueError(f"sm_scale must be a positive finite float, got {self.sm_scale}")
+            set_(self, "sm_scale", float(self.sm_scale))
+        if not isinstance(self.causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
+        set_(self, "causal", bool(self.causal))
+        if isinstance(self.window_left, bool) or not isinstance(self.window_left, (int, np.integer)):
+            raise TypeError(f"window_left must be an int, got {type(self.window_left).__name__}")
+        if self.window_left < -1:
+            raise ValueError(f"window_left must be -1 (off) or >= 0, got {self.window_left}")
+        set_(self, "window_left", int(self.window_left))
+        cap = float(self.logits_soft_cap)
+        if not math.isfinite(cap) or cap < 0:
+            raise ValueError(f"logits_soft_cap must be >= 0 and finite, got {self.logits_soft_cap}")
+        set_(self, "logits_soft_cap", cap)
+        if self.alibi_slopes is not None:
+            slopes = np.asarray(self.alibi_slopes, dtype=np.float64)
+            if slopes.ndim != 1 or not np.isfinite(slopes).all():
+                raise ValueError(f"alibi_slopes must be a 1-D finite [num_qo_heads] sequence, got shape {slopes.shape}")
+            set_(self, "alibi_slopes", tuple(float(s) for s in slopes))
+        if self.sigmoid_bias is not None:
+            if not math.isfinite(float(self.sigmoid_bias)):
+                raise ValueError(f"sigmoid_bias must be finite, got {self.sigmoid_bias}")
+            set_(self, "sigmoid_bias", float(self.sigmoid_bias))
+
+    @property
+    def use_sigmoid(self) -> bool:
+        return self.sigmoid_bias is not None
+
+    def scale(self, head_dim: int) -> float:
+        """The score scale for ``head_dim``."""
+        return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def check_heads(self, num_qo_heads: int):
+        """Raise unless the variant fits ``num_qo_heads`` query heads."""
+        if self.alibi_slopes is not None and len(self.alibi_slopes) != num_qo_heads:
+            raise ValueError(f"alibi_slopes has {len(self.alibi_slopes)} entries, num_qo_heads is {num_qo_heads}")
+
+    def position_mask(self, qo_len: int, kv_len: int, kv_start: int = 0, kv_end: int | None = None) -> np.ndarray:
+        """``[qo_len, kv_end - kv_start]`` bool: the causal / window mask of one row's keys in a range."""
+        kv_end = kv_len if kv_end is None else kv_end
+        q_pos = indexing.query_position(qo_len, kv_len, np.arange(qo_len))[:, None]
+        k_pos = np.arange(kv_start, kv_end)[None, :]
+        return np.broadcast_to(indexing.key_visible(q_pos, k_pos, self.causal, self.window_left),
+                               (qo_len, kv_end - kv_start))
