@@ -12,7 +12,6 @@ per KV head (a kernel launches ``num_ctas x num_kv_heads`` programs); CTA ``c`` 
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -103,55 +102,159 @@ def _check_positive(**values):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _tiles(qo_lens, kv_lens, tile_q):
-    """Query tiles: ``(row, qo_start, qo_end, kv_len)`` per tile, rows in order."""
-    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
-    n_tiles = indexing.ceil_div(qo_lens, tile_q)
-    row = np.repeat(np.arange(qo_lens.size), n_tiles)
-    first = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
-    start = qo_indptr[row] + (np.arange(row.size) - first) * tile_q
-    end = np.minimum(start + tile_q, qo_indptr[row + 1])
-    return row, start, end, kv_lens[row]
-
-
 def chunk_size(qo_lens, kv_lens, *, num_ctas, tile_q=1, fixed_split_size=None, disable_split_kv=False,
                min_split_size=1, kv_align=1) -> int:
     """Algorithm 1's ``L_kv = ceil(sum ceil(l_qo/T_q) * l_kv / num_ctas)``, bounded below and aligned; 0 = no split."""
     qo, kv = _check_lengths(qo_lens, kv_lens)
     _check_positive(num_ctas=num_ctas, tile_q=tile_q, min_split_size=min_split_size, kv_align=kv_align)
+    if fixed_split_size is not None:
+        _check_positive(fixed_split_size=fixed_split_size)
+    return _chunk_size(qo, kv, num_ctas, tile_q, fixed_split_size, disable_split_kv, min_split_size, kv_align)
+
+
+def _chunk_size(qo, kv, num_ctas, tile_q, fixed_split_size, disable_split_kv, min_split_size, kv_align):
     if disable_split_kv:
         return 0
     if fixed_split_size is not None:
-        _check_positive(fixed_split_size=fixed_split_size)
         return int(fixed_split_size)
     total = int((indexing.ceil_div(qo, tile_q) * kv).sum())
     size = max(indexing.ceil_div(total, num_ctas), min_split_size, 1)
     return int(indexing.ceil_div(size, kv_align) * kv_align)
 
 
-def _build(num_ctas, tile_q, chunk, row, qo_start, qo_end, kv_start, kv_end, tile_id, n_chunks, owner):
-    """Assemble a WorkPlan from items (in tile order) and their CTA owners, keeping each CTA's order."""
-    q_rows = qo_end - qo_start
-    split = n_chunks[tile_id] > 1
-    partial = np.full(row.size, -1, dtype=np.int64)
-    partial[split] = np.concatenate([[0], np.cumsum(q_rows[split])[:-1]]) if split.any() else []
-    num_partial_rows = int(q_rows[split].sum())
-    merge_items = np.flatnonzero(split)
-    first_of_tile = np.ones(merge_items.size, dtype=bool)
-    first_of_tile[1:] = tile_id[merge_items][1:] != tile_id[merge_items][:-1]
-    heads = merge_items[first_of_tile]
-    merge_indptr = np.concatenate([np.flatnonzero(first_of_tile), [merge_items.size]])
-    order = owner[1]
-    cta_indptr = np.zeros(num_ctas + 1, dtype=np.int64)
-    np.cumsum(np.bincount(owner[0], minlength=num_ctas), out=cta_indptr[1:])
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-    return WorkPlan(
-        num_ctas=int(num_ctas), tile_q=int(tile_q), kv_chunk_size=int(chunk), cta_indptr=i32(cta_indptr),
-        item_row=i32(row[order]), item_qo_start=i32(qo_start[order]), item_qo_end=i32(qo_end[order]),
-        item_kv_start=i32(kv_start[order]), item_kv_end=i32(kv_end[order]), item_partial=i32(partial[order]),
-        item_cost=i32((q_rows + kv_end - kv_start)[order]), merge_indptr=i32(merge_indptr),
-        merge_partials=i32(partial[merge_items]), merge_qo_start=i32(qo_start[heads]),
-        merge_qo_end=i32(qo_end[heads]), num_partial_rows=num_partial_rows)
+def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, chunk, balance):
+    """Items, their CTA order, partial rows and merge lists, with explicit loops (compiled by Numba when present).
+
+    ``chunk == 0`` disables splitting. ``balance`` selects Algorithm 1 (longest first onto the least-loaded
+    CTA); otherwise query tile ``i`` goes to CTA ``i % num_ctas`` (round robin).
+    """
+    num_rows = qo_lens.size
+    n_items = 0
+    n_tiles = 0
+    for r in range(num_rows):
+        tiles = (qo_lens[r] + tile_q - 1) // tile_q
+        chunks = 1 if chunk == 0 else max(1, (kv_lens[r] + chunk - 1) // chunk)
+        n_tiles += tiles
+        n_items += tiles * chunks
+    row = np.empty(n_items, np.int64)
+    qs = np.empty(n_items, np.int64)
+    qe = np.empty(n_items, np.int64)
+    ks = np.empty(n_items, np.int64)
+    ke = np.empty(n_items, np.int64)
+    tile = np.empty(n_items, np.int64)
+    split = np.empty(n_items, np.bool_)
+    w = 0
+    t = 0
+    q_base = 0
+    for r in range(num_rows):
+        chunks = 1 if chunk == 0 else max(1, (kv_lens[r] + chunk - 1) // chunk)
+        for q0 in range(q_base, q_base + qo_lens[r], tile_q):
+            for c in range(chunks):
+                row[w] = r
+                qs[w] = q0
+                qe[w] = min(q0 + tile_q, q_base + qo_lens[r])
+                ks[w] = c * chunk
+                ke[w] = kv_lens[r] if chunk == 0 else min((c + 1) * chunk, kv_lens[r])
+                tile[w] = t
+                split[w] = chunks > 1
+                w += 1
+            t += 1
+        q_base += qo_lens[r]
+    cost = (qe - qs) + (ke - ks)
+    owner = np.empty(n_items, np.int64)
+    if balance:
+        # Longest first; a stable sort keeps equal costs in item order, so the plan is a pure function.
+        assigned = np.argsort(-cost, kind="mergesort")
+        load = np.zeros(num_ctas, np.int64)
+        cta = np.arange(num_ctas)
+        for i in range(n_items):
+            item = assigned[i]
+            owner[item] = cta[0]
+            load[0] += cost[item]
+            # Sift the root down: the heap is ordered by (load, cta id), so ties go to the lower id.
+            p = 0
+            while True:
+                low = p
+                child = 2 * p + 1
+                while child < min(2 * p + 3, num_ctas):
+                    if load[child] < load[low] or (load[child] == load[low] and cta[child] < cta[low]):
+                        low = child
+                    child += 1
+                if low == p:
+                    break
+                load[p], load[low] = load[low], load[p]
+                cta[p], cta[low] = cta[low], cta[p]
+                p = low
+    else:
+        assigned = np.arange(n_items)
+        for i in range(n_items):
+            owner[i] = tile[i] % num_ctas
+    # Group by CTA; within a CTA, items run in the order they were assigned.
+    cta_indptr = np.zeros(num_ctas + 1, np.int64)
+    for i in range(n_items):
+        cta_indptr[owner[i] + 1] += 1
+    for c in range(num_ctas):
+        cta_indptr[c + 1] += cta_indptr[c]
+    order = np.empty(n_items, np.int64)
+    fill = cta_indptr[:-1].copy()
+    for i in range(n_items):
+        item = assigned[i]
+        order[fill[owner[item]]] = item
+        fill[owner[item]] += 1
+    # Partial rows in item (= tile, chunk) order; one merge per split tile, folding its chunks in order.
+    partial = np.full(n_items, -1, np.int64)
+    n_partial_rows = 0
+    n_merges = 0
+    n_merge_items = 0
+    for i in range(n_items):
+        if split[i]:
+            partial[i] = n_partial_rows
+            n_partial_rows += qe[i] - qs[i]
+            n_merge_items += 1
+            if i == 0 or tile[i - 1] != tile[i]:
+                n_merges += 1
+    merge_indptr = np.zeros(n_merges + 1, np.int64)
+    merge_partials = np.empty(n_merge_items, np.int64)
+    merge_qs = np.empty(n_merges, np.int64)
+    merge_qe = np.empty(n_merges, np.int64)
+    m = -1
+    j = 0
+    for i in range(n_items):
+        if split[i]:
+            if i == 0 or tile[i - 1] != tile[i]:
+                m += 1
+                merge_qs[m] = qs[i]
+                merge_qe[m] = qe[i]
+            merge_partials[j] = partial[i]
+            j += 1
+            merge_indptr[m + 1] = j
+    return (cta_indptr, row[order], qs[order], qe[order], ks[order], ke[order], partial[order], cost[order],
+            merge_indptr, merge_partials, merge_qs, merge_qe, n_partial_rows)
+
+
+_compiled_core = None
+
+
+def _core():
+    """:func:`_plan_core`, compiled with ``numba.njit`` when Numba is installed (a pure-Python fallback otherwise).
+
+    Compiled lazily so that importing :mod:`bsrattn` never imports Numba.
+    """
+    global _compiled_core
+    if _compiled_core is None:
+        try:
+            import numba
+        except ImportError:
+            _compiled_core = _plan_core
+        else:
+            _compiled_core = numba.njit(cache=True)(_plan_core)
+    return _compiled_core
+
+
+def _make_plan(qo, kv, num_ctas, tile_q, chunk, balance) -> WorkPlan:
+    arrays = _core()(qo, kv, int(num_ctas), int(tile_q), int(chunk), balance)
+    i32 = [np.ascontiguousarray(a, dtype=np.int32) for a in arrays[:-1]]
+    return WorkPlan(int(num_ctas), int(tile_q), int(chunk), *i32, num_partial_rows=int(arrays[-1]))
 
 
 def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
@@ -186,41 +289,18 @@ def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: 
     (28, 5, 1)
     """
     qo, kv = _check_lengths(qo_lens, kv_lens)
-    chunk = chunk_size(qo, kv, num_ctas=num_ctas, tile_q=tile_q, fixed_split_size=fixed_split_size,
-                       disable_split_kv=disable_split_kv, min_split_size=min_split_size, kv_align=kv_align)
-    t_row, t_qs, t_qe, t_kv = _tiles(qo, kv, tile_q)
-    n_chunks = np.maximum(indexing.ceil_div(t_kv, chunk), 1) if chunk else np.ones_like(t_kv)
-    tile_id = np.repeat(np.arange(t_row.size), n_chunks)
-    local = np.arange(tile_id.size) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-    kv_start = local * chunk if chunk else np.zeros_like(tile_id)
-    kv_end = np.minimum(kv_start + chunk, t_kv[tile_id]) if chunk else t_kv[tile_id]
-    cost = (t_qe - t_qs)[tile_id] + kv_end - kv_start
-    # Longest first; equal costs keep item order, so the plan is a pure function of the lengths.
-    by_cost = np.lexsort((np.arange(cost.size), -cost))
-    heap = [(0, c) for c in range(num_ctas)]
-    owner_of = np.empty(cost.size, dtype=np.int64)
-    for w in by_cost:
-        load, c = heapq.heappop(heap)
-        owner_of[w] = c
-        heapq.heappush(heap, (load + int(cost[w]), c))
-    # Within a CTA, items run in the order they were assigned (longest first).
-    assigned_rank = np.empty(cost.size, dtype=np.int64)
-    assigned_rank[by_cost] = np.arange(cost.size)
-    order = np.lexsort((assigned_rank, owner_of))
-    return _build(num_ctas, tile_q, chunk, t_row[tile_id], t_qs[tile_id], t_qe[tile_id], kv_start, kv_end,
-                  tile_id, n_chunks, (owner_of, order))
+    _check_positive(num_ctas=num_ctas, tile_q=tile_q, min_split_size=min_split_size, kv_align=kv_align)
+    if fixed_split_size is not None:
+        _check_positive(fixed_split_size=fixed_split_size)
+    chunk = _chunk_size(qo, kv, num_ctas, tile_q, fixed_split_size, disable_split_kv, min_split_size, kv_align)
+    return _make_plan(qo, kv, num_ctas, tile_q, chunk, True)
 
 
 def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan:
     """The baseline: every query tile is one item over its whole KV; item ``i`` goes to CTA ``i % num_ctas``."""
     qo, kv = _check_lengths(qo_lens, kv_lens)
     _check_positive(num_ctas=num_ctas, tile_q=tile_q)
-    t_row, t_qs, t_qe, t_kv = _tiles(qo, kv, tile_q)
-    tile_id = np.arange(t_row.size)
-    owner_of = tile_id % num_ctas
-    order = np.lexsort((tile_id, owner_of))
-    return _build(num_ctas, tile_q, 0, t_row, t_qs, t_qe, np.zeros_like(t_kv), t_kv, tile_id,
-                  np.ones_like(t_kv), (owner_of, order))
+    return _make_plan(qo, kv, num_ctas, tile_q, 0, False)
 
 
 def makespan(work_plan: WorkPlan, cost=None) -> float:
