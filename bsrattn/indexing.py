@@ -40,3 +40,13 @@ def key_visible(q_pos, k_pos, causal, window_left):
 def mask_offset(mask_row_start, kv_len, i, j):
     """Flat index of element ``(i, j)`` of a row's ``[qo_len, kv_len]`` custom mask."""
     return mask_row_start + i * kv_len + j
+
+
+def nhd_row(slot, head, num_kv_heads):
+    """Row of (pool slot, KV head) in NHD storage ``[num_blocks, Bc, Hkv, D]`` seen as ``[rows, D]``."""
+    return slot * num_kv_heads + head
+
+
+def hnd_row(slot, head, num_kv_heads, block_size):
+    """Row of (pool slot, KV head) in HND storage ``[num_blocks, Hkv, Bc, D]`` seen as ``[rows, D]``."""
+    return (slot // block_size * num_kv_heads + head) * block_size + slot % block_size
