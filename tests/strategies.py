@@ -261,6 +261,24 @@ def partial_states(draw, min_states=1, max_states=6, heads=2, head_dim=4, lse_ra
     return o, lse
 
 
+@st.composite
+def split_problems(draw, q_scale=1.0):
+    """Queries over ``m`` keys with positions, a variant, sorted cut points and a merge order: the arguments
+    of ``helpers.check_split_merge``. ``q_scale`` multiplies the queries (1000 puts scores in the thousands)."""
+    n, m = draw(st.integers(1, 4)), draw(st.integers(1, 48))
+    hkv = draw(st.integers(1, 2))
+    hq = hkv * draw(st.integers(1, 2))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    q, k, v = rng.standard_normal((n, hq, 8)), rng.standard_normal((m, hkv, 8)), rng.standard_normal((m, hkv, 8))
+    cuts = sorted(draw(st.lists(st.integers(0, m), max_size=6)))
+    order = draw(st.permutations(range(len(cuts) + 1)))
+    variant = draw(variants(hq, sigmoid=False))
+    return q * q_scale, k, v, np.arange(m - n, m), np.arange(m), variant, variant.scale(8), cuts, order
+
+
+SPLIT_PROBLEMS = st.one_of(split_problems(), split_problems(q_scale=1000.0))
+
+
 # ---- the named edge cases -----------------------------------------------------------------------------
 
 def _edge(kind, layout_fn, kv_store, raw, hq=2, hkv=1, head_dim=8, variant=ba.Variant(), num_kv_heads=None):

@@ -6,13 +6,12 @@ import functools
 
 import numpy as np
 from hypothesis import given
-from hypothesis import strategies as st
 
 import bsrattn as ba
 from bsrattn.reference import attend
 from bsrattn.testing import assert_close
 from helpers import check_split_merge
-from strategies import partial_states, variants
+from strategies import SPLIT_PROBLEMS, partial_states
 
 merge_state = functools.partial(ba.merge_state, backend="reference")
 merge_states = functools.partial(ba.merge_states, backend="reference")
@@ -79,24 +78,11 @@ def test_merge_states_folds_in_index_order(states):
     np.testing.assert_array_equal(got[1], acc[1])
 
 
-@st.composite
-def split_problems(draw):
-    """Queries over ``m`` keys with positions, a variant, sorted cut points and a merge order."""
-    n, m = draw(st.integers(1, 4)), draw(st.integers(1, 48))
-    hkv = draw(st.integers(1, 2))
-    hq = hkv * draw(st.integers(1, 2))
-    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    q, k, v = rng.standard_normal((n, hq, 8)), rng.standard_normal((m, hkv, 8)), rng.standard_normal((m, hkv, 8))
-    q_pos = np.arange(m - n, m)
-    cuts = sorted(draw(st.lists(st.integers(0, m), max_size=6)))
-    order = draw(st.permutations(range(len(cuts) + 1)))
-    variant = draw(variants(hq, sigmoid=False))
-    return q, k, v, q_pos, np.arange(m), variant, variant.scale(8), cuts, order
-
-
-@given(split_problems())
+@given(SPLIT_PROBLEMS)
 def test_any_split_of_the_kv_merged_equals_unsplit_attention(problem):
-    """Chunks may be empty or fully masked (their lse is -inf); any merge order agrees to rounding."""
+    """Chunks may be empty or fully masked (their lse is -inf); any merge order agrees to rounding.
+
+    Half the draws have scores in the thousands, where a merge without the max shift overflows."""
     check_split_merge(merge_states, *problem)
 
 
