@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 FLUSH_BYTES = 256 << 20
 # Host float64 copies of the checked KV rows are kept under this many elements (K and V each).
-CHECK_ELEMENTS = 1 << 25
+CHECK_ELEMENTS = 1 << 26
 PACKAGES = ("torch", "triton", "numba", "numba-cuda", "numpy", "flashinfer-python", "apache-tvm-ffi", "bsrattn")
 
 # FlashInfer reads this when it JIT-compiles; set before anything imports it.
@@ -356,14 +356,29 @@ def _synchronize():
     torch.cuda.synchronize()
 
 
+def require_free(nbytes: int, what: str):
+    """Raise :class:`Unavailable` unless the GPU has ``nbytes`` free (plus 2 GiB of headroom) for ``what``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    if free < nbytes + (2 << 30):
+        raise Unavailable(f"{what} needs {nbytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+
+
 def _short(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
     return text[:600]
 
 
 # ---- bsrattn through its public API ----------------------------------------------------------------------
-def bsrattn_build(backend: str, layout, q, k, v, *, plan: dict, out=None, run: dict | None = None):
-    """``build`` for :meth:`Suite.measure`: ``BatchAttention(backend).plan(layout, **plan)`` once, then
+NOT_CAPTURED = {"numba": "not captured: numba launches on the legacy default stream, outside torch's capture"}
+
+
+def bsrattn_build(tier: str, layout, q, k, v, *, plan: dict, out=None, run: dict | None = None):
+    """``build`` for :meth:`Suite.measure`: ``BatchAttention(tier).plan(layout, **plan)`` once, then
     ``run(q, k, v, out=out, **run)`` per call (the timed part).
 
     The reference tier (dry runs) is given NumPy copies and no ``out``: it runs on NumPy arrays.
@@ -371,14 +386,21 @@ def bsrattn_build(backend: str, layout, q, k, v, *, plan: dict, out=None, run: d
     run = run or {}
 
     def build():
-        attn = ba.BatchAttention(backend=backend)
+        attn = ba.BatchAttention(backend=tier)
         attn.plan(layout, **plan)
-        if backend == "reference":
+        if tier == "reference":
             arrays = [x.detach().cpu().numpy() for x in (q, k, v)]
             return lambda: attn.run(*arrays, **run)
         return lambda: attn.run(q, k, v, out=out, **run)
 
     return build
+
+
+def measure_bsrattn(suite, config: dict, name: str, tier: str, layout, q, k, v, *, plan: dict, out=None,
+                    run: dict | None = None, **checking):
+    """:meth:`Suite.measure` of one bsrattn tier through ``BatchAttention`` (see :func:`bsrattn_build`)."""
+    return suite.measure(config, name, bsrattn_build(tier, layout, q, k, v, plan=plan, out=out, run=run),
+                         out=out if tier != "reference" else None, graph=NOT_CAPTURED.get(tier, True), **checking)
 
 
 # ---- the suite --------------------------------------------------------------------------------------------

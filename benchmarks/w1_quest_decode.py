@@ -185,12 +185,8 @@ def run(suite) -> None:
                       dtype="float16", bytes_needed=case.bytes_needed)
         plan = dict(num_qo_heads=1, num_kv_heads=1, head_dim=shape.head_dim, q_dtype="float16", kv_dtype="float16")
         for tier in tiers:
-            suite.measure(config, f"bsrattn-{tier}", harness.bsrattn_build(tier, case.layout, *case.views, plan=plan,
-                                                                            out=case.out),
-                          out=case.out if tier != "reference" else None,
-                          graph=True if tier == "torch" else
-                          "not captured: numba launches on the legacy default stream, outside torch's capture",
-                          **common)
+            harness.measure_bsrattn(suite, config, f"bsrattn-{tier}", tier, case.layout, *case.views, plan=plan,
+                                    out=case.out, **common)
         suite.measure(config, "flashinfer-cuda-core", partial(build_flashinfer, case), out=case.out,
                       needs_cuda=True, **common)
         suite.measure(config, "sdpa-mask", partial(build_sdpa_mask, case), **common)

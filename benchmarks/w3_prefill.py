@@ -1,0 +1,218 @@
+"""Workload 3: ragged (and paged) causal prefill, in TFLOP/s.
+
+Batch 16 with lengths constant (1024), uniform U(256, 1792) and Zipf (mean ~1024), and one request of 8192;
+32 query / 8 KV heads, head_dim 128, bf16, causal, every request's queries over its own keys
+(``qo_len == kv_len``). FLOPs count the causal triangle once: ``4 * head_dim * num_qo_heads * L (L + 1) / 2`` per
+request (two matmuls, two FLOPs per multiply-add). The bound is those FLOPs over the bf16 GEMM rate.
+
+Implementations, each checked against the float64 reference, then timed in graph and eager mode:
+
+- ``bsrattn-torch``: ``ba.layouts.ragged`` (Bc = 1, KV contiguous per request), planned once; in the full run
+  also ``ba.layouts.paged`` with page 16 (``kv_layout=paged`` rows).
+- ``flashinfer-fa2``, ``flashinfer-fa3``: ``BatchPrefillWithRaggedKVCacheWrapper`` (paged: ``...PagedKVCache...``)
+  with ``backend="fa2"`` / ``"fa3"``.
+- ``sdpa``: PyTorch's default SDPA (cuDNN / flash) batched when the lengths are equal, else one call per request
+  (outputs concatenated, timed).
+
+Run: ``python3 benchmarks/w3_prefill.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+import bsrattn as ba  # noqa: E402
+from benchmarks import baselines, harness  # noqa: E402
+
+WORKLOAD = "w3_prefill"
+TITLE = "W3: ragged causal prefill (32/8 heads, d128, bf16; TFLOP/s, causal FLOPs counted once)"
+LENGTHS = (("const", 16, 1024), ("uniform", 16, 256, 1792), ("zipf", 16, 1024), ("const", 1, 8192))
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+
+GPU_SHAPE = Shape(32, 8, 128, 16, "bfloat16")
+DRY_SHAPE = Shape(4, 2, 16, 4, "float16")
+DRY_CONFIGS = ((("const", 2, 24), "ragged"), (("uniform", 3, 8, 40), "ragged"), (("zipf", 3, 16), "paged"))
+
+
+def configs(quick: bool) -> list:
+    """``(length spec, kv layout)`` pairs: ragged always, paged (page 16) in the full run."""
+    return [(spec, "ragged") for spec in LENGTHS] + ([] if quick else [(spec, "paged") for spec in LENGTHS])
+
+
+def label(spec) -> str:
+    """``"16 x 1024"``, ``"16 x U(256,1792)"``, ``"16 x Zipf(mean 1024)"``."""
+    kind, batch, *args = spec
+    text = {"const": lambda: f"{args[0]}", "uniform": lambda: f"U({args[0]},{args[1]})",
+            "zipf": lambda: f"Zipf(mean {args[0]})"}[kind]()
+    return f"{batch} x {text}"
+
+
+def lengths(rng, spec) -> np.ndarray:
+    """``[batch]`` lengths; Zipf: ``L_i ~ 1 / i`` scaled to the mean, in random order (heavy-tailed, deterministic)."""
+    kind, batch, *args = spec
+    if kind == "const":
+        return np.full(batch, args[0])
+    if kind == "uniform":
+        return rng.integers(args[0], args[1] + 1, size=batch)
+    weights = 1.0 / np.arange(1, batch + 1)
+    return rng.permutation(np.maximum(np.round(weights / weights.mean() * args[0]), 1).astype(np.int64))
+
+
+def causal_flops(lens, num_qo_heads: int, head_dim: int) -> int:
+    """``4 * D * Hq * sum L (L + 1) / 2``: QK^T and PV over the causal triangle, counted once.
+
+    >>> causal_flops([1024] * 16, 32, 128)
+    137573171200
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    return int(4 * head_dim * num_qo_heads * (lens * (lens + 1) // 2).sum())
+
+
+@dataclass
+class Case:
+    shape: Shape
+    lens: np.ndarray  # [B]
+    kv_layout: str  # "ragged" or "paged"
+    layout: ba.BSRLayout
+    q: object  # [nnz, Hq, D]
+    k: object  # ragged [nnz, Hkv, D]; paged [P, page, Hkv, D]
+    v: object
+    k_ragged: object  # [nnz, Hkv, D]: the same keys in request order (for SDPA)
+    v_ragged: object
+    out: object  # [nnz, Hq, D]
+    rows: np.ndarray
+    expected: np.ndarray
+
+    def check_args(self) -> dict:
+        s = self.shape
+        nnz = int(self.lens.sum())
+        elem = self.q.element_size()
+        return dict(shape=(nnz, s.num_qo_heads, s.head_dim), rows=self.rows, expected=self.expected, dtype=s.dtype,
+                    flops=causal_flops(self.lens, s.num_qo_heads, s.head_dim),
+                    bytes_needed=nnz * s.head_dim * elem * 2 * (s.num_qo_heads + s.num_kv_heads))
+
+    def tensors(self, *arrays):
+        import torch
+
+        return tuple(torch.as_tensor(a, dtype=torch.int32, device=self.q.device) for a in arrays)
+
+
+def make_case(suite, shape: Shape, lens, kv_layout: str) -> Case:
+    import torch
+
+    lens = np.asarray(lens, dtype=np.int64)
+    nnz = int(lens.sum())
+    kw = dict(dtype=getattr(torch, shape.dtype), device=suite.device)
+    q = torch.randn(nnz, shape.num_qo_heads, shape.head_dim, **kw)
+    k_ragged = torch.randn(nnz, shape.num_kv_heads, shape.head_dim, **kw)
+    v_ragged = torch.randn(nnz, shape.num_kv_heads, shape.head_dim, **kw)
+    if kv_layout == "ragged":
+        layout = ba.layouts.ragged(lens, lens)
+        k, v = k_ragged, v_ragged
+    else:
+        n_pages = -(-lens // shape.page_size)
+        perm = suite.rng.permutation(int(n_pages.sum()))
+        layout = ba.layouts.paged(lens, np.split(perm, np.cumsum(n_pages)[:-1]), lens, shape.page_size, perm.size)
+        pool = (perm.size, shape.page_size, shape.num_kv_heads, shape.head_dim)
+        k, v = torch.randn(pool, **kw), torch.randn(pool, **kw)
+        slots = torch.as_tensor(np.concatenate([layout.kv_slots(r) for r in range(layout.num_rows)]),
+                                device=suite.device)
+        k_ragged = k.reshape(-1, shape.num_kv_heads, shape.head_dim)[slots]
+        v_ragged = v.reshape(-1, shape.num_kv_heads, shape.head_dim)[slots]
+    rows = harness.sample_rows(layout, shape.num_kv_heads, shape.head_dim, causal=True)
+    expected = harness.reference_rows(layout, q, k, v, rows, causal=True)
+    out = torch.full(q.shape, float("nan"), **kw)
+    return Case(shape, lens, kv_layout, layout, q, k, v, k_ragged, v_ragged, out, rows, expected)
+
+
+def build_flashinfer(case, backend: str):
+    import torch
+
+    s = case.shape
+    heads = dict(num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                 dtype=getattr(torch, s.dtype), causal=True, backend=backend)
+    lay = case.layout
+    if case.kv_layout == "ragged":
+        wrapper = baselines.ragged_prefill_wrapper(*case.tensors(lay.qo_indptr, lay.kv_indptr), **heads)
+        return lambda: wrapper.run(case.q, case.k, case.v, out=case.out)
+    wrapper = baselines.paged_prefill_wrapper(*case.tensors(lay.qo_indptr, lay.kv_indptr, lay.kv_indices,
+                                                            lay.kv_last_len), page_size=s.page_size, **heads)
+    return lambda: wrapper.run(case.q, (case.k, case.v), out=case.out)
+
+
+def build_sdpa(case):
+    """Batched SDPA for equal lengths (views, no copy); one call per request otherwise."""
+    import torch
+    import torch.nn.functional as F
+
+    s = case.shape
+    lens = case.lens.tolist()
+    if len(set(lens)) == 1:
+        b, n = len(lens), lens[0]
+        q4 = case.q.view(b, n, s.num_qo_heads, s.head_dim).transpose(1, 2)
+        k4 = case.k_ragged.view(b, n, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v4 = case.v_ragged.view(b, n, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        return lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+    bounds = np.concatenate([[0], np.cumsum(lens)]).tolist()
+    parts = [tuple(x[lo:hi].transpose(0, 1)[None] for x in (case.q, case.k_ragged, case.v_ragged))
+             for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def run():
+        outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+                for q, k, v in parts]
+        return torch.cat(outs)
+
+    return run
+
+
+def _sdpa_view(case):
+    """Batched SDPA returns ``[B, Hq, L, D]``; the check wants ``[nnz, Hq, D]``."""
+    if len(set(case.lens.tolist())) > 1:
+        return None
+    return lambda y: y.transpose(1, 2)
+
+
+def run(suite) -> None:
+    shape = DRY_SHAPE if suite.dry_run else GPU_SHAPE
+    items = DRY_CONFIGS if suite.dry_run else configs(suite.quick)
+    for spec, kv_layout in suite.configs(items, label=lambda c: f"{label(c[0])} {c[1]}"):
+        case = make_case(suite, shape, lengths(suite.rng, spec), kv_layout)
+        config = {"lengths": label(spec), "kv_layout": kv_layout}
+        plan = dict(num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                    variant=ba.Variant(causal=True), q_dtype=shape.dtype, kv_dtype=shape.dtype)
+        tier = "reference" if suite.dry_run else "torch"
+        harness.measure_bsrattn(suite, config, f"bsrattn-{tier}", tier, case.layout, case.q, case.k, case.v, plan=plan,
+                                out=case.out, **case.check_args())
+        for backend in ("fa2", "fa3"):
+            suite.measure(config, f"flashinfer-{backend}", partial(build_flashinfer, case, backend), out=case.out,
+                          needs_cuda=True, **case.check_args())
+        if kv_layout == "ragged":
+            suite.measure(config, "sdpa", partial(build_sdpa, case), view=_sdpa_view(case), **case.check_args())
+        del case
+
+
+def main(argv=None):
+    suite = harness.Suite.from_argv(WORKLOAD, TITLE, argv, doc=__doc__)
+    run(suite)
+    suite.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Workload 4: variable-length decode, the scheduler on vs off.
+
+kv_len ~ U(4096, 16384) per request, batch {1, 8, 32, 256}; 32 query / 8 KV heads, head_dim 128, fp16, page 16,
+scattered pages (the pool and checks of workload 2). The planned kernel (split-KV chunks, longest first, least
+loaded CTA: FlashInfer's Algorithm 1 in ``bsrattn.scheduler``) against one CTA per request
+(``disable_split_kv=True``). With few requests the unsplit kernel leaves most SMs idle, so the planned one should
+win by several times at batch 1 and tie once the batch fills the GPU.
+
+Implementations, each checked against the float64 reference, then timed in graph and eager mode:
+
+- ``bsrattn-torch`` (planned) and ``bsrattn-torch-no-split``;
+- ``flashinfer-tensor-core`` and ``flashinfer-tensor-core-no-split`` (its ``disable_split_kv``), and in the full
+  run ``flashinfer-cuda-core``.
+
+The report gives each pair's speedup: ``<name>-no-split`` time / ``<name>`` time.
+
+Run: ``python3 benchmarks/w4_split_kv.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.w2_paged_decode import (DRY_SHAPE, GPU_SHAPE, build_flashinfer, kv_lengths, make_case,  # noqa: E402
+                                        measure_bsrattn)
+
+WORKLOAD = "w4_split_kv"
+TITLE = "W4: variable-length decode, split-KV scheduler on vs off (kv ~ U(4096,16384), 32/8 heads, d128, fp16)"
+KV = "U(4096,16384)"
+BATCHES = (1, 8, 32, 256)
+QUICK = (1, 8, 32)
+
+
+def run(suite) -> None:
+    shape = DRY_SHAPE if suite.dry_run else GPU_SHAPE
+    kv = "U(16,64)" if suite.dry_run else KV
+    items = (1, 3) if suite.dry_run else (QUICK if suite.quick else BATCHES)
+    for batch in suite.configs(items, label=lambda b: f"batch {b}"):
+        case = make_case(suite, shape, "float16", kv_lengths(suite.rng, batch, kv))
+        config = {"batch": batch, "kv_len": kv}
+        tier = "reference" if suite.dry_run else "torch"
+        measure_bsrattn(suite, config, case, tier)
+        measure_bsrattn(suite, config, case, tier, name=f"bsrattn-{tier}-no-split", disable_split_kv=True)
+        suite.measure(config, "flashinfer-tensor-core", partial(build_flashinfer, case, tensor_cores=True),
+                      out=case.out, needs_cuda=True, **case.check_args())
+        suite.measure(config, "flashinfer-tensor-core-no-split",
+                      partial(build_flashinfer, case, tensor_cores=True, disable_split_kv=True), out=case.out,
+                      needs_cuda=True, **case.check_args())
+        if not suite.quick:
+            suite.measure(config, "flashinfer-cuda-core", partial(build_flashinfer, case, tensor_cores=False),
+                          out=case.out, needs_cuda=True, **case.check_args())
+        del case
+
+
+def main(argv=None):
+    suite = harness.Suite.from_argv(WORKLOAD, TITLE, argv, doc=__doc__)
+    run(suite)
+    suite.finish()
+
+
+if __name__ == "__main__":
+    main()
