@@ -180,7 +180,16 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, backend=None):
 
 
 def merge_states(o, lse, *, backend=None):
-    """Fold ``o [n, S, H, D]``, ``lse [n, S, H]`` over ``S`` in index order. See :mod:`bsrattn.reference.merge`."""
+    """Fold ``o [n, S, H, D]``, ``lse [n, S, H]`` over ``S`` in index order. See :mod:`bsrattn.reference.merge`.
+
+    The fold is ``((s_0 ⊕ s_1) ⊕ s_2) ⊕ …``, always in that order, on every tier (see :func:`merge_state`).
+
+    >>> import numpy as np, bsrattn as ba
+    >>> o = np.stack([np.full((1, 1, 2), x) for x in (1.0, 2.0, 6.0)], axis=1)   # [n=1, S=3, H=1, D=2]
+    >>> out, lse = ba.merge_states(o, np.zeros((1, 3, 1)))                        # three equal-weight states
+    >>> out.tolist(), bool(np.isclose(lse[0, 0], np.log(3)))
+    ([[[3.0, 3.0]]], True)
+    """
     if len(shape_of(o)) != 4 or shape_of(lse) != shape_of(o)[:3]:
         raise ValueError(f"merge_states needs o [n, S, H, D] and lse [n, S, H]; got {shape_of(o)} and {shape_of(lse)}")
     if shape_of(o)[1] == 0:

@@ -38,7 +38,14 @@ _loaded: dict = {}
 
 
 class BackendError(RuntimeError):
-    """A backend that does not exist or cannot load here."""
+    """A backend that cannot load here: its dependency is missing. The message names the install command.
+
+    An unknown backend name raises ``ValueError`` instead.
+
+    >>> import bsrattn as ba
+    >>> issubclass(ba.BackendError, RuntimeError)
+    True
+    """
 
 
 class Backend:
@@ -50,6 +57,13 @@ class Backend:
     - ``plan_options(spec) -> dict`` (``num_ctas``, ``tile_q``, ``min_split_size``, ``kv_align``)
     - ``make_runner(spec, work_plan, previous=None)`` -> an object with ``run(q, k, v, *, out, lse,
       return_lse, k_scale, v_scale) -> (out, lse)``; ``previous`` lets a tier refill its buffers in place.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> be = ba.get_backend("reference")
+    >>> be.name, callable(be.merge_state)
+    ('reference', True)
     """
 
     def __init__(self, name: str, module):
@@ -82,7 +96,13 @@ def _resolve_name(name: str) -> str:
 
 
 def current_backend_name() -> str:
-    """The name the flag resolves to now (before ``auto`` is resolved)."""
+    """The name the flag resolves to now (before ``auto`` is resolved).
+
+    >>> import bsrattn as ba
+    >>> with ba.use_backend("numba"):       # naming a tier does not import it
+    ...     ba.backends.current_backend_name()
+    'numba'
+    """
     return _scoped.get() or _global or os.environ.get("BSRATTN_BACKEND") or "reference"
 
 
@@ -106,7 +126,14 @@ def get_backend(name=None) -> Backend:
 
 
 def set_backend(name: str) -> None:
-    """Make ``name`` the default backend of this program (``None`` restores the environment's choice)."""
+    """Make ``name`` the default backend of this program (``None`` restores the environment's choice).
+
+    >>> import bsrattn as ba
+    >>> ba.set_backend("reference")
+    >>> ba.get_backend().name
+    'reference'
+    >>> ba.set_backend(None)
+    """
     global _global
     if name is not None:
         _resolve_name(name)

@@ -7,7 +7,12 @@ on scalars inside a kernel (minitorch's habit). Keep them free of Python control
 
 
 def ceil_div(a, b):
-    """``ceil(a / b)`` for non-negative integers."""
+    """``ceil(a / b)`` for non-negative integers.
+
+    >>> from bsrattn import indexing
+    >>> indexing.ceil_div(20, 16), indexing.ceil_div(32, 16)
+    (2, 2)
+    """
     return (a + b - 1) // b
 
 
@@ -15,17 +20,32 @@ def sparse_slot(kv_indices, row_block_start, block_size, i):
     """Pool slot of logical KV slot ``i`` of a row (the BSR "sparse path").
 
     ``j = kv_indices[row_block_start + i // Bc] * Bc + i % Bc``, where ``row_block_start = kv_indptr[r]``.
+
+    >>> import numpy as np
+    >>> from bsrattn import indexing
+    >>> indexing.sparse_slot(np.array([7, 2]), 0, 16, np.array([0, 15, 16, 19])).tolist()
+    [112, 127, 32, 35]
     """
     return kv_indices[row_block_start + i // block_size] * block_size + i % block_size
 
 
 def dense_slot(row_slot_start, i):
-    """Pool slot of logical KV slot ``i`` of a row whose KV is contiguous (the affine "dense path")."""
+    """Pool slot of logical KV slot ``i`` of a row whose KV is contiguous (the affine "dense path").
+
+    >>> from bsrattn import indexing
+    >>> indexing.dense_slot(40, 3)
+    43
+    """
     return row_slot_start + i
 
 
 def query_position(qo_len, kv_len, i):
-    """Position of query ``i`` of a row: bottom-right aligned, ``kv_len - qo_len + i``."""
+    """Position of query ``i`` of a row: bottom-right aligned, ``kv_len - qo_len + i``.
+
+    >>> from bsrattn import indexing
+    >>> indexing.query_position(3, 10, 0)     # the first of 3 queries appended to 7 cached keys
+    7
+    """
     return kv_len - qo_len + i
 
 
@@ -33,20 +53,44 @@ def key_visible(q_pos, k_pos, causal, window_left):
     """Whether a key at ``k_pos`` is visible from a query at ``q_pos`` under the position masks.
 
     Causal: ``k_pos <= q_pos``. Sliding window (``window_left >= 0``): ``q_pos - k_pos <= window_left``.
+
+    >>> import numpy as np
+    >>> from bsrattn import indexing
+    >>> indexing.key_visible(5, np.arange(8), True, 2).astype(int).tolist()
+    [0, 0, 0, 1, 1, 1, 0, 0]
     """
     return ((k_pos <= q_pos) | (not causal)) & ((window_left < 0) | (q_pos - k_pos <= window_left))
 
 
 def mask_offset(mask_row_start, kv_len, i, j):
-    """Flat index of element ``(i, j)`` of a row's ``[qo_len, kv_len]`` custom mask."""
+    """Flat index of element ``(i, j)`` of a row's ``[qo_len, kv_len]`` custom mask.
+
+    >>> from bsrattn import indexing
+    >>> indexing.mask_offset(100, 5, 2, 3)
+    113
+    """
     return mask_row_start + i * kv_len + j
 
 
 def nhd_row(slot, head, num_kv_heads):
-    """Row of (pool slot, KV head) in NHD storage ``[num_blocks, Bc, Hkv, D]`` seen as ``[rows, D]``."""
+    """Row of (pool slot, KV head) in NHD storage ``[num_blocks, Bc, Hkv, D]`` seen as ``[rows, D]``.
+
+    >>> import numpy as np
+    >>> from bsrattn import indexing
+    >>> k = np.arange(3 * 4 * 2).reshape(3, 4, 2, 1)        # [num_blocks=3, Bc=4, Hkv=2, D=1]
+    >>> bool(k.reshape(-1, 1)[indexing.nhd_row(9, 1, 2), 0] == k[9 // 4, 9 % 4, 1, 0])
+    True
+    """
     return slot * num_kv_heads + head
 
 
 def hnd_row(slot, head, num_kv_heads, block_size):
-    """Row of (pool slot, KV head) in HND storage ``[num_blocks, Hkv, Bc, D]`` seen as ``[rows, D]``."""
+    """Row of (pool slot, KV head) in HND storage ``[num_blocks, Hkv, Bc, D]`` seen as ``[rows, D]``.
+
+    >>> import numpy as np
+    >>> from bsrattn import indexing
+    >>> k = np.arange(3 * 2 * 4).reshape(3, 2, 4, 1)        # [num_blocks=3, Hkv=2, Bc=4, D=1]
+    >>> bool(k.reshape(-1, 1)[indexing.hnd_row(9, 1, 2, 4), 0] == k[9 // 4, 1, 9 % 4, 0])
+    True
+    """
     return (slot // block_size * num_kv_heads + head) * block_size + slot % block_size

@@ -183,6 +183,11 @@ class BSRLayout:
         Combines the block structure, ``kv_last_len``, the custom mask and, when a ``variant`` is given,
         its position masks (causal, sliding window). A row that lists a slot twice cannot be drawn as a
         mask and raises ``ValueError``.
+
+        >>> import bsrattn as ba
+        >>> lay = ba.layouts.paged([2], [[1]], kv_lens=[3], page_size=4, num_pages=2)
+        >>> lay.to_dense_mask(ba.Variant(causal=True)).astype(int).tolist()
+        [[0, 0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1, 1, 0]]
         """
         from bsrattn.variant import Variant
 
@@ -200,7 +205,13 @@ class BSRLayout:
         return dense
 
     def block_occupancy(self, block_rows: int = 1, block_cols: int | None = None) -> np.ndarray:
-        """``[ceil(nnz_qo/Br), ceil(num_slots/Bc)]`` bool: the BSR picture, which tiles hold a visible pair."""
+        """``[ceil(nnz_qo/Br), ceil(num_slots/Bc)]`` bool: the BSR picture, which tiles hold a visible pair.
+
+        >>> import bsrattn as ba
+        >>> lay = ba.layouts.paged([1, 1], [[2], [0, 1]], kv_lens=[3, 6], page_size=4, num_pages=3)
+        >>> lay.block_occupancy().astype(int).tolist()
+        [[0, 0, 1], [1, 1, 0]]
+        """
         block_cols = self.block_size if block_cols is None else block_cols
         dense = self.to_dense_mask()
         rows = indexing.ceil_div(dense.shape[0], block_rows)
@@ -239,7 +250,15 @@ class BSRLayout:
 
 @dataclass(frozen=True)
 class ReadAmplification:
-    """Slots needed against slots read by a kernel of block size ``kernel_block_size``."""
+    """Slots needed against slots read by a kernel of block size ``kernel_block_size``.
+
+    Returned by :meth:`BSRLayout.read_amplification`.
+
+    >>> import bsrattn as ba
+    >>> amp = ba.ReadAmplification(kernel_block_size=128, needed=1024, read=8192)
+    >>> amp.ratio
+    8.0
+    """
 
     kernel_block_size: int
     needed: int
@@ -247,6 +266,7 @@ class ReadAmplification:
 
     @property
     def ratio(self) -> float:
+        """``read / needed`` (1.0 when nothing is needed)."""
         return self.read / self.needed if self.needed else 1.0
 
 
@@ -258,6 +278,20 @@ class Cascade:
     disjoint part of each query's keys. The attention over the cascade is the ⊕-fold of the levels' states
     in level order. Levels before the last precede every query (a shared prefix), so position masks apply
     only within the last level; variants that need absolute positions (ALiBi, sliding window) are rejected.
+
+    Parameters
+    ----------
+    levels : sequence of BSRLayout
+        The levels, in merge order; all over the same queries and the same KV pool.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> prefix = ba.layouts.paged([2], [[0]], kv_lens=[4], page_size=4, num_pages=3)      # both queries, one row
+    >>> suffix = ba.layouts.paged([1, 1], [[1], [2]], kv_lens=[2, 3], page_size=4, num_pages=3)
+    >>> cascade = ba.Cascade((prefix, suffix))
+    >>> cascade.nnz_qo, cascade.flatten().kv_lens.tolist()
+    (2, [6, 7])
     """
 
     levels: tuple
@@ -280,10 +314,12 @@ class Cascade:
 
     @property
     def nnz_qo(self) -> int:
+        """Query rows, the same in every level."""
         return self.levels[0].nnz_qo
 
     @property
     def num_slots(self) -> int:
+        """KV slots of the pool the levels share."""
         return self.levels[0].num_slots
 
     def level_variant(self, level: int, variant):

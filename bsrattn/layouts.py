@@ -59,7 +59,13 @@ def ragged(qo_lens, kv_lens) -> BSRLayout:
 
 
 def dense(qo_len: int, kv_len: int) -> BSRLayout:
-    """One request: ``qo_len`` queries over ``kv_len`` contiguous keys (plain attention)."""
+    """One request: ``qo_len`` queries over ``kv_len`` contiguous keys (plain attention).
+
+    >>> import bsrattn as ba
+    >>> lay = ba.layouts.dense(2, 5)
+    >>> lay.num_rows, lay.kv_slots(0).tolist()
+    (1, [0, 1, 2, 3, 4])
+    """
     return ragged([qo_len], [kv_len])
 
 
@@ -74,6 +80,8 @@ def paged(qo_lens, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRL
     kv_lens : sequence of int, ``[B]``
     page_size, num_pages : int
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> lay = ba.layouts.paged([1], [[7, 2]], kv_lens=[20], page_size=16, num_pages=8)
     >>> lay.kv_last_len.tolist(), lay.kv_slots(0)[15:17].tolist()
@@ -110,8 +118,17 @@ def block_sparse(indptr, indices, M: int, N: int, R: int, C: int, mask=None) -> 
     mask : array of bool, optional ``[nnz, R, C]``
         Element masks of the non-zero blocks.
 
+    Notes
+    -----
     ``k`` and ``v`` are ``[N, num_kv_heads, head_dim]``. Positions within a block row are its listed keys in
     order, so position masks (causal) count the row's gathered keys, not matrix columns.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> lay = ba.layouts.block_sparse([0, 1, 3], [0, 0, 1], M=8, N=8, R=4, C=4)   # 2 block rows of 4 queries
+    >>> lay.block_occupancy(4, 4).astype(int).tolist()
+    [[1, 0], [1, 1]]
     """
     if R < 1 or C < 1 or M % R or N % C:
         raise ValueError(f"need M % R == 0 and N % C == 0 with R, C >= 1; got M={M}, N={N}, R={R}, C={C}")
@@ -156,10 +173,22 @@ def quest(page_tables, kv_lens, selected_pages, page_size: int, num_pages: int, 
 
     Parameters
     ----------
-    page_tables : ``[B][n_pages_b]`` pool pages of each request.
-    kv_lens : ``[B]`` tokens in each request.
-    selected_pages : ``[B][num_kv_heads][budget]`` logical page numbers (indices into the page table) each
-        head keeps, in increasing order. A selected partial last page must come last.
+    page_tables : sequence of sequences of int, ``[B][n_pages_b]``
+        Pool pages of each request.
+    kv_lens : sequence of int, ``[B]``
+        Tokens in each request.
+    selected_pages : nested sequence of int, ``[B][num_kv_heads][budget]``
+        Logical page numbers (indices into the page table) each head keeps, in increasing order. A selected
+        partial last page must come last.
+    page_size, num_pages, num_kv_heads : int
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> lay = ba.layouts.quest([[4, 1, 3, 0]], kv_lens=[60], selected_pages=[[[0, 3], [1, 3]]], page_size=16,
+    ...                        num_pages=5, num_kv_heads=2)
+    >>> lay.num_rows, lay.kv_indices.tolist(), lay.kv_last_len.tolist()   # block = pool page * Hkv + head
+    (2, [8, 0, 3, 1], [12, 12])
     """
     kv_lens = _lengths("kv_lens", kv_lens)
     batch = kv_lens.size
@@ -194,6 +223,11 @@ def per_head_views(q, k, v, num_kv_heads: int):
 
     Returns ``q [B*Hkv, Hq/Hkv, D]`` and ``k, v [P*Hkv, page, 1, D]`` (no copies for contiguous inputs).
     Reshape the output back with ``out.reshape(B, Hq, D)``.
+
+    >>> import numpy as np, bsrattn as ba
+    >>> q, k, v = np.zeros((3, 8, 16)), np.zeros((5, 2, 16, 16)), np.zeros((5, 2, 16, 16))
+    >>> [x.shape for x in ba.layouts.per_head_views(q, k, v, num_kv_heads=2)]
+    [(6, 4, 16), (10, 16, 1, 16), (10, 16, 1, 16)]
     """
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"num_qo_heads={q.shape[1]} is not a multiple of num_kv_heads={num_kv_heads}")

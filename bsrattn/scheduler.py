@@ -45,6 +45,15 @@ class WorkPlan:
         ``merge_partials[merge_indptr[m]:merge_indptr[m+1]] + i`` in that order, into the output.
     num_partial_rows : int
         Workspace rows the partial states need.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> p = ba.scheduler.plan([1, 1], [100, 10], num_ctas=4)
+    >>> p.cta_indptr.tolist(), p.item_kv_start.tolist(), p.item_kv_end.tolist()
+    ([0, 1, 2, 3, 5], [0, 28, 56, 84, 0], [28, 56, 84, 100, 10])
+    >>> p.merge_partials[p.merge_indptr[0]:p.merge_indptr[1]].tolist()    # row 0's chunks, in chunk order
+    [0, 1, 2, 3]
     """
 
     num_ctas: int
@@ -66,10 +75,12 @@ class WorkPlan:
 
     @property
     def num_items(self) -> int:
+        """W, the number of work items."""
         return int(self.item_row.size)
 
     @property
     def num_merges(self) -> int:
+        """M, the number of merge lists (one per split query tile)."""
         return int(self.merge_qo_start.size)
 
     def cta_loads(self, cost=None) -> np.ndarray:
@@ -297,14 +308,27 @@ def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: 
 
 
 def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan:
-    """The baseline: every query tile is one item over its whole KV; item ``i`` goes to CTA ``i % num_ctas``."""
+    """The baseline: every query tile is one item over its whole KV; item ``i`` goes to CTA ``i % num_ctas``.
+
+    >>> import bsrattn as ba
+    >>> rr = ba.scheduler.round_robin([1, 1, 1], [100, 10, 30], num_ctas=2)
+    >>> rr.cta_loads().tolist()                # requests 0 and 2 on CTA 0, request 1 on CTA 1
+    [132.0, 11.0]
+    """
     qo, kv = _check_lengths(qo_lens, kv_lens)
     _check_positive(num_ctas=num_ctas, tile_q=tile_q)
     return _make_plan(qo, kv, num_ctas, tile_q, 0, False)
 
 
 def makespan(work_plan: WorkPlan, cost=None) -> float:
-    """The most loaded CTA's total cost: the plan's finishing time under the cost model."""
+    """The most loaded CTA's total cost: the plan's finishing time under the cost model.
+
+    >>> import bsrattn as ba
+    >>> ba.scheduler.makespan(ba.scheduler.round_robin([1, 1], [100, 10], num_ctas=4))
+    101.0
+    >>> ba.scheduler.makespan(ba.scheduler.plan([1, 1], [100, 10], num_ctas=4))
+    29.0
+    """
     loads = work_plan.cta_loads(cost)
     return float(loads.max()) if loads.size else 0.0
 
@@ -324,7 +348,13 @@ DISTRIBUTIONS = {
 
 @dataclass(frozen=True)
 class SimulationResult:
-    """Round-robin makespan over planned makespan, per trial."""
+    """Round-robin makespan over planned makespan, per trial; returned by :func:`simulate`.
+
+    >>> import numpy as np, bsrattn as ba
+    >>> r = ba.scheduler.SimulationResult("U(512, 2048)", 32, np.array([5.0, 6.0, 7.0]))
+    >>> r.median, r.min, r.max
+    (6.0, 5.0, 7.0)
+    """
 
     distribution: str
     batch: int
@@ -332,14 +362,17 @@ class SimulationResult:
 
     @property
     def median(self) -> float:
+        """Median ratio over the trials."""
         return float(np.median(self.ratios))
 
     @property
     def min(self) -> float:
+        """Smallest ratio."""
         return float(self.ratios.min())
 
     @property
     def max(self) -> float:
+        """Largest ratio."""
         return float(self.ratios.max())
 
 

@@ -45,7 +45,12 @@ TOLERANCES = {
 
 
 def tolerance(op: str, dtype: str) -> tuple:
-    """``(atol, rtol)`` for ``op`` in ``dtype``."""
+    """``(atol, rtol)`` for ``op`` in ``dtype``.
+
+    >>> from bsrattn import testing
+    >>> testing.tolerance("attention", "float16")
+    (0.004, 0.004)
+    """
     key = (op, str(dtype).removeprefix("torch."))
     if key not in TOLERANCES:
         raise KeyError(f"no tolerance for {key}; known: {sorted(TOLERANCES)}")
@@ -54,7 +59,14 @@ def tolerance(op: str, dtype: str) -> tuple:
 
 @dataclass
 class Comparison:
-    """The outcome of :func:`compare`: worst error, where, and special-value disagreements."""
+    """The outcome of :func:`compare`: worst error, where, and special-value disagreements.
+
+    >>> import numpy as np
+    >>> from bsrattn import testing
+    >>> c = testing.compare(np.array([1.0, np.nan]), np.array([1.0, 2.0]), atol=1e-6, rtol=0)
+    >>> c.ok, c.nan_mismatch
+    (False, 1)
+    """
 
     ok: bool
     max_abs: float
@@ -74,7 +86,14 @@ def _to_numpy(x):
 
 
 def compare(actual, expected, atol: float, rtol: float, name: str = "output") -> Comparison:
-    """Elementwise ``|a - e| <= atol + rtol * |e|``, with NaN and ±inf required to agree exactly."""
+    """Elementwise ``|a - e| <= atol + rtol * |e|``, with NaN and ±inf required to agree exactly.
+
+    >>> import numpy as np
+    >>> from bsrattn import testing
+    >>> c = testing.compare(np.array([1.0, 2.001]), np.array([1.0, 2.0]), atol=1e-6, rtol=1e-6)
+    >>> c.ok, round(c.max_abs, 6)
+    (False, 0.001)
+    """
     a, e = _to_numpy(actual), _to_numpy(expected)
     if a.shape != e.shape:
         return Comparison(False, np.inf, np.inf, (), 0, 0, f"{name}: shape {a.shape} != expected {e.shape}")
@@ -94,7 +113,15 @@ def compare(actual, expected, atol: float, rtol: float, name: str = "output") ->
 
 
 def assert_close(actual, expected, op: str = "attention", dtype: str = "float64", name: str | None = None):
-    """Raise ``AssertionError`` with the worst error and its place unless ``actual`` matches ``expected``."""
+    """Raise ``AssertionError`` with the worst error and its place unless ``actual`` matches ``expected``.
+
+    ``op`` and ``dtype`` pick the tolerance from :data:`TOLERANCES`. Returns the :class:`Comparison`.
+
+    >>> import numpy as np
+    >>> from bsrattn import testing
+    >>> testing.assert_close(np.float32(1.0) + np.float32(1e-6), 1.0, "attention", "float32").ok
+    True
+    """
     atol, rtol = tolerance(op, dtype)
     result = compare(actual, expected, atol, rtol, name or op)
     if not result.ok:

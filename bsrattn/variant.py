@@ -84,6 +84,7 @@ class Variant:
 
     @property
     def use_sigmoid(self) -> bool:
+        """Whether this is FlashSigmoid (``sigmoid_bias`` set): states then add, and ``lse`` is undefined."""
         return self.sigmoid_bias is not None
 
     def scale(self, head_dim: int) -> float:
