@@ -1,5 +1,7 @@
 """bsrattn: every KV-cache layout is one block-sparse-row matrix, served by one attention kernel.
 
+Examples
+--------
 >>> import bsrattn as ba
 >>> sorted(ba.backends.REGISTRY)
 ['numba', 'reference', 'torch']

@@ -167,6 +167,8 @@ def _check_state(name_o, o, name_lse, lse):
 def merge_state(o_a, lse_a, o_b, lse_b, *, backend=None):
     """The ⊕ operator: merge two attention states over disjoint keys. See :mod:`bsrattn.reference.merge`.
 
+    Examples
+    --------
     >>> import numpy as np, bsrattn as ba
     >>> o, s = ba.merge_state(np.ones((1, 1, 2)), np.zeros((1, 1)), 3 * np.ones((1, 1, 2)), np.zeros((1, 1)))
     >>> o.tolist(), np.round(s, 4).tolist()
@@ -184,6 +186,8 @@ def merge_states(o, lse, *, backend=None):
 
     The fold is ``((s_0 ⊕ s_1) ⊕ s_2) ⊕ …``, always in that order, on every tier (see :func:`merge_state`).
 
+    Examples
+    --------
     >>> import numpy as np, bsrattn as ba
     >>> o = np.stack([np.full((1, 1, 2), x) for x in (1.0, 2.0, 6.0)], axis=1)   # [n=1, S=3, H=1, D=2]
     >>> out, lse = ba.merge_states(o, np.zeros((1, 3, 1)))                        # three equal-weight states

@@ -42,6 +42,8 @@ class BackendError(RuntimeError):
 
     An unknown backend name raises ``ValueError`` instead.
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> issubclass(ba.BackendError, RuntimeError)
     True
@@ -98,6 +100,8 @@ def _resolve_name(name: str) -> str:
 def current_backend_name() -> str:
     """The name the flag resolves to now (before ``auto`` is resolved).
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> with ba.use_backend("numba"):       # naming a tier does not import it
     ...     ba.backends.current_backend_name()
@@ -109,6 +113,8 @@ def current_backend_name() -> str:
 def get_backend(name=None) -> Backend:
     """The :class:`Backend` for ``name`` (a name, a Backend, or None for the flag's current choice).
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> ba.get_backend("reference")
     Backend('reference')
@@ -128,6 +134,8 @@ def get_backend(name=None) -> Backend:
 def set_backend(name: str) -> None:
     """Make ``name`` the default backend of this program (``None`` restores the environment's choice).
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> ba.set_backend("reference")
     >>> ba.get_backend().name
@@ -144,6 +152,8 @@ def set_backend(name: str) -> None:
 def use_backend(name: str):
     """Use ``name`` for the calls inside the ``with`` block (nestable, thread- and task-local).
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> with ba.use_backend("reference"):
     ...     ba.get_backend().name

@@ -9,6 +9,8 @@ on scalars inside a kernel (minitorch's habit). Keep them free of Python control
 def ceil_div(a, b):
     """``ceil(a / b)`` for non-negative integers.
 
+    Examples
+    --------
     >>> from bsrattn import indexing
     >>> indexing.ceil_div(20, 16), indexing.ceil_div(32, 16)
     (2, 2)
@@ -21,6 +23,8 @@ def sparse_slot(kv_indices, row_block_start, block_size, i):
 
     ``j = kv_indices[row_block_start + i // Bc] * Bc + i % Bc``, where ``row_block_start = kv_indptr[r]``.
 
+    Examples
+    --------
     >>> import numpy as np
     >>> from bsrattn import indexing
     >>> indexing.sparse_slot(np.array([7, 2]), 0, 16, np.array([0, 15, 16, 19])).tolist()
@@ -32,6 +36,8 @@ def sparse_slot(kv_indices, row_block_start, block_size, i):
 def dense_slot(row_slot_start, i):
     """Pool slot of logical KV slot ``i`` of a row whose KV is contiguous (the affine "dense path").
 
+    Examples
+    --------
     >>> from bsrattn import indexing
     >>> indexing.dense_slot(40, 3)
     43
@@ -42,6 +48,8 @@ def dense_slot(row_slot_start, i):
 def query_position(qo_len, kv_len, i):
     """Position of query ``i`` of a row: bottom-right aligned, ``kv_len - qo_len + i``.
 
+    Examples
+    --------
     >>> from bsrattn import indexing
     >>> indexing.query_position(3, 10, 0)     # the first of 3 queries appended to 7 cached keys
     7
@@ -54,6 +62,8 @@ def key_visible(q_pos, k_pos, causal, window_left):
 
     Causal: ``k_pos <= q_pos``. Sliding window (``window_left >= 0``): ``q_pos - k_pos <= window_left``.
 
+    Examples
+    --------
     >>> import numpy as np
     >>> from bsrattn import indexing
     >>> indexing.key_visible(5, np.arange(8), True, 2).astype(int).tolist()
@@ -65,6 +75,8 @@ def key_visible(q_pos, k_pos, causal, window_left):
 def mask_offset(mask_row_start, kv_len, i, j):
     """Flat index of element ``(i, j)`` of a row's ``[qo_len, kv_len]`` custom mask.
 
+    Examples
+    --------
     >>> from bsrattn import indexing
     >>> indexing.mask_offset(100, 5, 2, 3)
     113
@@ -75,6 +87,8 @@ def mask_offset(mask_row_start, kv_len, i, j):
 def nhd_row(slot, head, num_kv_heads):
     """Row of (pool slot, KV head) in NHD storage ``[num_blocks, Bc, Hkv, D]`` seen as ``[rows, D]``.
 
+    Examples
+    --------
     >>> import numpy as np
     >>> from bsrattn import indexing
     >>> k = np.arange(3 * 4 * 2).reshape(3, 4, 2, 1)        # [num_blocks=3, Bc=4, Hkv=2, D=1]
@@ -87,6 +101,8 @@ def nhd_row(slot, head, num_kv_heads):
 def hnd_row(slot, head, num_kv_heads, block_size):
     """Row of (pool slot, KV head) in HND storage ``[num_blocks, Hkv, Bc, D]`` seen as ``[rows, D]``.
 
+    Examples
+    --------
     >>> import numpy as np
     >>> from bsrattn import indexing
     >>> k = np.arange(3 * 2 * 4).reshape(3, 2, 4, 1)        # [num_blocks=3, Hkv=2, Bc=4, D=1]

@@ -184,6 +184,8 @@ class BSRLayout:
         its position masks (causal, sliding window). A row that lists a slot twice cannot be drawn as a
         mask and raises ``ValueError``.
 
+        Examples
+        --------
         >>> import bsrattn as ba
         >>> lay = ba.layouts.paged([2], [[1]], kv_lens=[3], page_size=4, num_pages=2)
         >>> lay.to_dense_mask(ba.Variant(causal=True)).astype(int).tolist()
@@ -207,6 +209,8 @@ class BSRLayout:
     def block_occupancy(self, block_rows: int = 1, block_cols: int | None = None) -> np.ndarray:
         """``[ceil(nnz_qo/Br), ceil(num_slots/Bc)]`` bool: the BSR picture, which tiles hold a visible pair.
 
+        Examples
+        --------
         >>> import bsrattn as ba
         >>> lay = ba.layouts.paged([1, 1], [[2], [0, 1]], kv_lens=[3, 6], page_size=4, num_pages=3)
         >>> lay.block_occupancy().astype(int).tolist()
@@ -226,6 +230,8 @@ class BSRLayout:
         A kernel that loads aligned blocks of ``kernel_block_size`` pool slots must read every block that
         holds a needed slot. Needed slots are counted per row (a slot two rows use is needed twice).
 
+        Examples
+        --------
         >>> import numpy as np, bsrattn as ba
         >>> pages = np.arange(64) * 64          # 64 scattered pages of 16 slots
         >>> lay = ba.layouts.paged([1], [pages], kv_lens=[1024], page_size=16, num_pages=4096)
@@ -254,6 +260,8 @@ class ReadAmplification:
 
     Returned by :meth:`BSRLayout.read_amplification`.
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> amp = ba.ReadAmplification(kernel_block_size=128, needed=1024, read=8192)
     >>> amp.ratio

@@ -48,6 +48,8 @@ def _last_len(kv_lens, block_size):
 def ragged(qo_lens, kv_lens) -> BSRLayout:
     """Variable-length requests, each with its KV contiguous in one ``[sum(kv_lens), H, D]`` buffer (Bc=1).
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> ba.layouts.ragged([2, 1], [5, 3]).kv_slots(1).tolist()
     [5, 6, 7]
@@ -61,6 +63,8 @@ def ragged(qo_lens, kv_lens) -> BSRLayout:
 def dense(qo_len: int, kv_len: int) -> BSRLayout:
     """One request: ``qo_len`` queries over ``kv_len`` contiguous keys (plain attention).
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> lay = ba.layouts.dense(2, 5)
     >>> lay.num_rows, lay.kv_slots(0).tolist()
@@ -151,6 +155,8 @@ def block_sparse(indptr, indices, M: int, N: int, R: int, C: int, mask=None) -> 
 def vector_sparse(token_indices, qo_lens, num_slots: int) -> BSRLayout:
     """KV pruning (H2O, Quest at token level): each request keeps a scattered list of slots (Bc=1).
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> ba.layouts.vector_sparse([[9, 2, 5]], [1], num_slots=16).kv_slots(0).tolist()
     [9, 2, 5]
@@ -224,6 +230,8 @@ def per_head_views(q, k, v, num_kv_heads: int):
     Returns ``q [B*Hkv, Hq/Hkv, D]`` and ``k, v [P*Hkv, page, 1, D]`` (no copies for contiguous inputs).
     Reshape the output back with ``out.reshape(B, Hq, D)``.
 
+    Examples
+    --------
     >>> import numpy as np, bsrattn as ba
     >>> q, k, v = np.zeros((3, 8, 16)), np.zeros((5, 2, 16, 16)), np.zeros((5, 2, 16, 16))
     >>> [x.shape for x in ba.layouts.per_head_views(q, k, v, num_kv_heads=2)]
@@ -248,6 +256,8 @@ def tree(parents, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRLa
     else ``< i``). Node ``i`` is query row ``i`` and attends every committed token (the first
     ``kv_lens[b] - n_b`` slots), its ancestors and itself.
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> lay = ba.layouts.tree([[-1, 0, 0]], [[0]], kv_lens=[5], page_size=8, num_pages=1)
     >>> lay.row_mask(0).astype(int).tolist()
@@ -287,6 +297,8 @@ def shared_prefix(qo_lens, prefix_pages, prefix_len: int, suffix_page_tables, su
     the prefix; level 1 is a plain paged layout of the suffixes (``Br = 1`` per request). Both index the
     same KV pool; their states merge with ⊕.
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> c = ba.layouts.shared_prefix([1, 1], [0, 1], 32, [[2], [3]], [5, 9], page_size=16, num_pages=4)
     >>> [lvl.num_rows for lvl in c.levels], c.levels[0].kv_lens.tolist()

@@ -310,6 +310,8 @@ def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: 
 def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan:
     """The baseline: every query tile is one item over its whole KV; item ``i`` goes to CTA ``i % num_ctas``.
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> rr = ba.scheduler.round_robin([1, 1, 1], [100, 10, 30], num_ctas=2)
     >>> rr.cta_loads().tolist()                # requests 0 and 2 on CTA 0, request 1 on CTA 1
@@ -323,6 +325,8 @@ def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan
 def makespan(work_plan: WorkPlan, cost=None) -> float:
     """The most loaded CTA's total cost: the plan's finishing time under the cost model.
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> ba.scheduler.makespan(ba.scheduler.round_robin([1, 1], [100, 10], num_ctas=4))
     101.0
@@ -350,6 +354,8 @@ DISTRIBUTIONS = {
 class SimulationResult:
     """Round-robin makespan over planned makespan, per trial; returned by :func:`simulate`.
 
+    Examples
+    --------
     >>> import numpy as np, bsrattn as ba
     >>> r = ba.scheduler.SimulationResult("U(512, 2048)", 32, np.array([5.0, 6.0, 7.0]))
     >>> r.median, r.min, r.max
@@ -380,6 +386,8 @@ def simulate(distribution: str, batch: int, *, num_ctas: int = 132, trials: int 
              **plan_kwargs) -> SimulationResult:
     """Decode makespans of :func:`plan` against :func:`round_robin` on random batches (the seed's table).
 
+    Examples
+    --------
     >>> import bsrattn as ba
     >>> ba.scheduler.simulate("uniform kv=2048", 256, trials=2).median
     1.0

@@ -47,6 +47,8 @@ TOLERANCES = {
 def tolerance(op: str, dtype: str) -> tuple:
     """``(atol, rtol)`` for ``op`` in ``dtype``.
 
+    Examples
+    --------
     >>> from bsrattn import testing
     >>> testing.tolerance("attention", "float16")
     (0.004, 0.004)
@@ -61,6 +63,8 @@ def tolerance(op: str, dtype: str) -> tuple:
 class Comparison:
     """The outcome of :func:`compare`: worst error, where, and special-value disagreements.
 
+    Examples
+    --------
     >>> import numpy as np
     >>> from bsrattn import testing
     >>> c = testing.compare(np.array([1.0, np.nan]), np.array([1.0, 2.0]), atol=1e-6, rtol=0)
@@ -88,6 +92,8 @@ def _to_numpy(x):
 def compare(actual, expected, atol: float, rtol: float, name: str = "output") -> Comparison:
     """Elementwise ``|a - e| <= atol + rtol * |e|``, with NaN and ±inf required to agree exactly.
 
+    Examples
+    --------
     >>> import numpy as np
     >>> from bsrattn import testing
     >>> c = testing.compare(np.array([1.0, 2.001]), np.array([1.0, 2.0]), atol=1e-6, rtol=1e-6)
@@ -117,6 +123,8 @@ def assert_close(actual, expected, op: str = "attention", dtype: str = "float64"
 
     ``op`` and ``dtype`` pick the tolerance from :data:`TOLERANCES`. Returns the :class:`Comparison`.
 
+    Examples
+    --------
     >>> import numpy as np
     >>> from bsrattn import testing
     >>> testing.assert_close(np.float32(1.0) + np.float32(1e-6), 1.0, "attention", "float32").ok
