@@ -1,0 +1,160 @@
+"""Tile shapes and launch parameters: what ``plan_options`` gives the scheduler and what the kernel is built with.
+
+Two shapes of work, one kernel:
+
+- **decode** (a handful of query rows per block row): the tile's M dimension is the GQA group's query heads
+  times the query rows (``tile_q * group_size``), padded to 16 for ``tl.dot``. The kernel is
+  bandwidth-bound: the plan splits the KV so that every SM streams, and ``kv_align`` is the KV tile so that
+  chunks are whole tiles.
+- **prefill** (long query rows): ``BLOCK_M = 128`` query rows x heads amortise each KV tile over many
+  queries; few or no splits.
+
+``num_ctas`` is CTAs per KV head (the scheduler's unit): the launch is ``num_ctas x num_kv_heads``
+programs, a fixed number of waves of the GPU, read from the device's SM count.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import astuple, dataclass, fields
+
+DECODE_ROWS = 64
+"""A tile whose query rows x group heads fit in this many rows is run with the decode shapes."""
+
+CTAS_PER_SM = {"decode": 2, "prefill": 1}
+MIN_SPLIT_SIZE = {"decode": 128, "prefill": 512}
+INTERPRETER_SMS = 4
+"""SMs the Triton interpreter pretends to have: few programs keep CI fast, and splits still happen."""
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel configuration (all compile-time constants of the launch)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def block_d(head_dim: int) -> int:
+    """The kernel's head_dim tile: a power of two >= 16 (``tl.dot``'s K), the tail masked."""
+    return max(16, next_pow2(head_dim))
+
+
+def block_m(tile_q: int, group_size: int) -> int:
+    """M tile for ``tile_q`` query rows of a GQA group: 16..128 rows; larger items loop over M sub-tiles."""
+    return min(128, max(16, next_pow2(tile_q * group_size)))
+
+
+def kind_of(spec) -> str:
+    """``"decode"`` when every block row's query rows x group heads fit one small tile, else ``"prefill"``."""
+    qo = spec.layout.qo_lens
+    rows = (int(qo.max()) if qo.size else 1) * spec.group_size
+    return "decode" if rows <= DECODE_ROWS else "prefill"
+
+
+def tiles(m: int, head_dim: int, dtype: str) -> Tiles:
+    """Tile shapes for an M tile of ``m`` rows. ``dtype`` is ``q``'s (fp32 dots run on CUDA cores: smaller tiles).
+
+    Shared memory per pipeline stage is ``block_n x block_d`` for each of K and V, plus Q once; the choices
+    keep a CTA well inside the H200's 227 KiB, with room for two CTAs per SM at decode shapes.
+    """
+    if block_d(head_dim) > 128 or dtype == "float32":
+        return Tiles(block_m=min(m, 64), block_n=32, num_warps=4, num_stages=2)
+    if m <= DECODE_ROWS:
+        return Tiles(block_m=m, block_n=64, num_warps=4, num_stages=3)
+    return Tiles(block_m=m, block_n=64, num_warps=8, num_stages=2)
+
+
+def num_sms(device=None) -> int:
+    """SMs of ``device`` (the current CUDA device by default); :data:`INTERPRETER_SMS` in the interpreter."""
+    import torch
+
+    if interpreting() or not torch.cuda.is_available():
+        return INTERPRETER_SMS
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_options(spec, device=None) -> dict:
+    """Scheduler options for ``spec``: ``num_ctas`` (per KV head), ``tile_q``, ``min_split_size``, ``kv_align``.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> from bsrattn.validation import make_spec
+    >>> spec = make_spec(ba.layouts.ragged([1, 1], [300, 40]), 8, 2, 64)
+    >>> opts = plan_options(spec)
+    >>> opts["tile_q"], opts["kv_align"]
+    (4, 64)
+    """
+    kind = kind_of(spec)
+    if kind == "decode":
+        qo = spec.layout.qo_lens
+        m = block_m(int(qo.max()) if qo.size else 1, spec.group_size)
+    else:
+        m = 64 if block_d(spec.head_dim) > 128 or spec.q_dtype == "float32" else 128
+    tile_q = max(1, m // spec.group_size)
+    t = tiles(block_m(tile_q, spec.group_size), spec.head_dim, spec.q_dtype or "float16")
+    ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // spec.num_kv_heads)
+    return dict(num_ctas=ctas, tile_q=tile_q, min_split_size=MIN_SPLIT_SIZE[kind], kv_align=t.block_n)
+
+
+KV_VIEWS = ("NHD", "HND", "NHD3")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What a launch fixes: its grid and its compile-time constants. A CUDA graph records all of these.
+
+    Crosses the custom-op boundary as a list of ints (:meth:`to_list`, :meth:`from_list`).
+    """
+
+    num_ctas: int
+    num_kv_heads: int
+    group_size: int
+    head_dim: int
+    block_size: int
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    kv_view: str
+    causal: bool
+    window_left: int
+    soft_cap: bool
+    alibi: bool
+    sigmoid: bool
+    custom_mask: bool
+    store_lse: bool
+
+    def to_list(self) -> list:
+        return [KV_VIEWS.index(v) if isinstance(v, str) else int(v) for v in astuple(self)]
+
+    @classmethod
+    def from_list(cls, values) -> "LaunchConfig":
+        kw = {}
+        for f, v in zip(fields(cls), values):
+            kw[f.name] = KV_VIEWS[v] if f.name == "kv_view" else (bool(v) if f.type == "bool" else int(v))
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Scalars:
+    """The float arguments of a launch: ``qk_scale = sm_scale * k_scale``, ``v_scale``, the soft cap, the sigmoid bias."""
+
+    qk_scale: float
+    v_scale: float
+    soft_cap: float
+    sigmoid_bias: float

@@ -1,0 +1,178 @@
+"""A :class:`~bsrattn.scheduler.WorkPlan` executed by one persistent Triton kernel, merge folded in.
+
+Must match :func:`bsrattn.reference.executor.execute`. The launch is a fixed grid ``(num_ctas,
+num_kv_heads)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for KV head ``h``. For each item:
+
+1. **GQA head-group fusion.** The tile's M dimension packs the item's query rows x the ``G`` query heads of
+   KV head ``h`` (row ``m`` is query row ``qo_start + m // G``, head ``h * G + m % G``), so each K/V byte
+   is read once per KV head, not once per query head. Items with more rows than ``BLOCK_M`` loop over
+   M sub-tiles.
+2. **Block skipping.** Causal masking ends the KV loop after the tile's last query position, a sliding
+   window starts it at the first query position minus ``window_left``; tiles outside are never loaded.
+3. The microkernel (:func:`~bsrattn.torch_cuda.microkernel.attend_range`) over the item's KV range.
+4. An unsplit item writes the output and LSE. A split item writes its partial state to its fixed
+   workspace rows, then bumps its tile's integer counter (acquire-release, GPU scope); the program whose
+   bump completes the count is the last to finish, and it folds the tile's partial states **in the plan's
+   order** (:func:`~bsrattn.torch_cuda.merge.fold_partials`) into the output and resets the counter for
+   the next launch. Which program merges depends on timing; what it computes does not, so the result is
+   bitwise deterministic, with no floating-point atomics and no second launch.
+
+No program waits for another, so the grid needs no co-residency. Everything that changes between plans
+is read from device buffers (:mod:`~bsrattn.torch_cuda.plan_buffers`), so a CUDA graph captured around a
+launch replays correctly after the buffers are refilled.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bsrattn.torch_cuda import microkernel
+from bsrattn.torch_cuda.gather import kv_strides
+from bsrattn.torch_cuda.indexing import query_position
+from bsrattn.torch_cuda.merge import fold_partials
+
+
+@triton.jit
+def _store_state(o_ptr, lse_ptr, rows, head, valid, d, o, lse,  # rows, head, valid [BLOCK_M]; o [BLOCK_M, BLOCK_D]
+                 stride_on, stride_oh, stride_od, stride_ln, stride_lh,
+                 HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
+    r = rows.to(tl.int64)
+    tl.store(o_ptr + r[:, None] * stride_on + head[:, None] * stride_oh + d[None, :] * stride_od,
+             o.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))
+    if STORE_LSE:
+        tl.store(lse_ptr + r * stride_ln + head * stride_lh, lse, mask=valid)
+
+
+@triton.jit
+def persistent_attention(
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, out [nnz_qo, Hq, D]; k, v: storage view; lse [nnz_qo, Hq]
+        part_o, part_lse, counters,  # [partial_rows, Hq, D] f32; [partial_rows, Hq] f32; [merges, Hkv] i32
+        cta_indptr, items, merge_indptr, merge_partials,  # [num_ctas+1]; [W, 8]; [M+1]; [P]
+        qo_indptr, kv_indptr, kv_lens, mask_indptr, first_slots,  # [R+1], [R+1], [R], [R+1], [R]
+        kv_indices, mask_ptr, alibi_ptr,  # [nnz] i32; [mask elements] u8; [Hq] f32
+        stride_qn, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_on, stride_oh, stride_od,
+        stride_ln, stride_lh,
+        stride_pn, stride_ph, stride_pln, stride_plh,
+        qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+        num_kv_heads,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+        ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr, STORE_LSE: tl.constexpr,
+        PRECISION: tl.constexpr):
+    cta = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    d = tl.arange(0, BLOCK_D)
+    for w in range(tl.load(cta_indptr + cta), tl.load(cta_indptr + cta + 1)):
+        item = items + w * 8
+        row = tl.load(item)
+        qo_start = tl.load(item + 1)
+        qo_end = tl.load(item + 2)
+        kv_start = tl.load(item + 3)
+        kv_end = tl.load(item + 4)
+        partial = tl.load(item + 5)
+        merge = tl.load(item + 6)
+        qo_first = tl.load(qo_indptr + row)
+        qo_len = tl.load(qo_indptr + row + 1) - qo_first
+        kv_len = tl.load(kv_lens + row)
+        row_block_start = tl.load(kv_indptr + row)
+        first_slot = tl.load(first_slots + row)
+        mask_start = 0
+        if CUSTOM_MASK:
+            mask_start = tl.load(mask_indptr + row)
+        n_rows = (qo_end - qo_start) * GROUP
+        for m0 in range(0, n_rows, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            valid_m = m < n_rows
+            rel = m // GROUP
+            head = kv_head * GROUP + m % GROUP
+            q_local = qo_start - qo_first + rel
+            q_pos = query_position(qo_len, kv_len, q_local)
+            lo = kv_start
+            hi = kv_end
+            if CAUSAL:
+                last_local = qo_start - qo_first + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // GROUP
+                hi = tl.minimum(hi, query_position(qo_len, kv_len, last_local) + 1)
+            if HAS_WINDOW:
+                first_local = qo_start - qo_first + m0 // GROUP
+                lo = tl.maximum(lo, query_position(qo_len, kv_len, first_local) - window_left)
+            q_rows = (qo_start + rel).to(tl.int64)
+            q = tl.load(q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                        mask=valid_m[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+            slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if ALIBI:
+                slopes = tl.load(alibi_ptr + head, mask=valid_m, other=0.0)
+            if first_slot >= 0:  # the dense path: the row's blocks are consecutive, no index loads
+                o, lse = microkernel.attend_range(
+                    q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices, row_block_start, first_slot,
+                    lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                    stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, True, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
+                    SIGMOID, CUSTOM_MASK, PRECISION)
+            else:
+                o, lse = microkernel.attend_range(
+                    q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices, row_block_start, first_slot,
+                    lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                    stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, False, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
+                    SIGMOID, CUSTOM_MASK, PRECISION)
+            if partial < 0:
+                _store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
+                             stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
+            else:
+                _store_state(part_o, part_lse, partial + rel, head, valid_m, d, o, lse, stride_pn, stride_ph, 1,
+                             stride_pln, stride_plh, HEAD_DIM, not SIGMOID)
+        if merge >= 0:
+            parts_lo = tl.load(merge_indptr + merge)
+            parts_hi = tl.load(merge_indptr + merge + 1)
+            counter = counters + merge * num_kv_heads + kv_head
+            # Every thread's partial-state stores precede the one release that publishes them.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == parts_hi - parts_lo - 1:
+                for m0 in range(0, n_rows, BLOCK_M):
+                    m = m0 + tl.arange(0, BLOCK_M)
+                    valid_m = m < n_rows
+                    rel = m // GROUP
+                    head = kv_head * GROUP + m % GROUP
+                    o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head,
+                                           valid_m, d, stride_pn, stride_ph, stride_pln, stride_plh, HEAD_DIM,
+                                           SIGMOID)
+                    _store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on,
+                                 stride_oh, stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
+                tl.store(counter, 0)
+
+
+def launch(q, k, v, out, lse, buffers, config, scalars):
+    """Launch :func:`persistent_attention` over the plan in ``buffers`` (a :class:`PlanBuffers`).
+
+    ``config`` is a :class:`~bsrattn.torch_cuda.config.LaunchConfig` and ``scalars`` a
+    :class:`~bsrattn.torch_cuda.config.Scalars`; ``lse`` is ``buffers.no_lse`` when ``config.store_lse`` is
+    false. Shapes, dtypes and devices are the caller's to check.
+    """
+    ks = kv_strides(k, config.kv_view)
+    vs = kv_strides(v, config.kv_view)
+    sec = buffers.section
+    persistent_attention[(config.num_ctas, config.num_kv_heads)](
+        q, k, v, out, lse, buffers.part_o, buffers.part_lse, buffers.counters,
+        sec("cta_indptr"), sec("items"), sec("merge_indptr"), sec("merge_partials"),
+        sec("qo_indptr"), sec("kv_indptr"), sec("kv_lens"), sec("mask_indptr"), sec("first_slot"),
+        sec("kv_indices"), buffers.mask, buffers.alibi,
+        q.stride(0), q.stride(1), q.stride(2), *ks, *vs,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        buffers.part_o.stride(0), buffers.part_o.stride(1), buffers.part_lse.stride(0), buffers.part_lse.stride(1),
+        scalars.qk_scale, scalars.v_scale, scalars.soft_cap, config.window_left, scalars.sigmoid_bias,
+        config.num_kv_heads,
+        HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=config.block_size,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
+        CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap,
+        ALIBI=config.alibi, SIGMOID=config.sigmoid, CUSTOM_MASK=config.custom_mask, STORE_LSE=config.store_lse,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)

@@ -1,0 +1,66 @@
+"""The load module, as Triton device functions: a KV tile of ``BLOCK_N`` slots gathered from blocks of ``Bc``.
+
+Storage granularity is decoupled from compute granularity (the paper's point): the kernel's KV tile is a
+fixed ``BLOCK_N`` slots whatever the block size ``Bc`` of the layout (1 for ragged and vector-sparse, 16
+for a paged cache, anything else), because each slot's address is computed on its own, through the BSR
+indices (the sparse path) or by an affine formula (the dense path, for rows whose blocks are consecutive).
+The head dimension stays contiguous and gives the coalescing, so both paths issue the same wide loads,
+which Triton pipelines into shared memory ahead of the ``tl.dot`` that consumes them.
+
+Storage views (see :meth:`bsrattn.validation.AttentionSpec.kv_view_of`) reach the kernel as four strides,
+never as copies: pool slot ``block * Bc + within`` of KV head ``h``, element ``d`` sits at
+``block * stride_block + within * stride_slot + h * stride_head + d * stride_dim``:
+
+| view | shape | stride_block, stride_slot, stride_head |
+|---|---|---|
+| NHD | ``[num_blocks, Bc, Hkv, D]`` | ``s0, s1, s2`` |
+| HND | ``[num_blocks, Hkv, Bc, D]`` | ``s0, s2, s1`` |
+| NHD3 (Bc = 1) | ``[N, Hkv, D]`` | ``s0, 0, s1`` |
+
+Must match :mod:`bsrattn.reference.gather` (``row_slots`` + ``gather``; fp8 KV dequantised on load, its
+scale folded into the score scale and the output by the microkernel).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def kv_strides(x, view: str) -> tuple:
+    """``(stride_block, stride_slot, stride_head, stride_dim)`` of ``k`` or ``v`` stored as ``view``."""
+    s = x.stride()
+    if view == "NHD3":
+        return s[0], 0, s[1], s[2]
+    return (s[0], s[2], s[1], s[3]) if view == "HND" else (s[0], s[1], s[2], s[3])
+
+
+@triton.jit
+def slot_offsets(kv_indices, row_block_start, row_first_slot, i, valid,  # i, valid: [BLOCK_N]
+                 stride_block, stride_slot, BLOCK_SIZE: tl.constexpr, DENSE: tl.constexpr):
+    """``[BLOCK_N]`` int64 element offsets of logical KV slots ``i`` of a row (before the head and dim terms).
+
+    Sparse path: pool slot ``kv_indices[row_block_start + i // Bc] * Bc + i % Bc``
+    (:func:`bsrattn.indexing.sparse_slot`). Dense path, for a row whose blocks are consecutive: pool slot
+    ``row_first_slot + i`` (:func:`bsrattn.indexing.dense_slot`), no index load.
+    """
+    if DENSE:
+        slot = row_first_slot + i
+        block = slot // BLOCK_SIZE
+        within = slot % BLOCK_SIZE
+    else:
+        block = tl.load(kv_indices + row_block_start + i // BLOCK_SIZE, mask=valid, other=0)
+        within = i % BLOCK_SIZE
+    return block.to(tl.int64) * stride_block + within.to(tl.int64) * stride_slot
+
+
+@triton.jit
+def load_tile(head_ptr, offsets, valid, d, stride_dim, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    """``[BLOCK_N, BLOCK_D]`` rows at ``offsets`` from ``head_ptr`` (the KV head's base), cast to ``dtype``.
+
+    Padding (slots past the range, dims past ``HEAD_DIM``) loads as 0. The cast is fp8 dequantisation for
+    fp8 KV (exact: every e4m3 and e5m2 value is a float16 and a bfloat16) and a no-op otherwise.
+    """
+    ptrs = head_ptr + offsets[:, None] + d[None, :] * stride_dim
+    x = tl.load(ptrs, mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    return x.to(dtype)

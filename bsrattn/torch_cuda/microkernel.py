@@ -1,0 +1,137 @@
+"""The dense microkernel, as Triton device functions: FlashAttention's online softmax over gathered KV tiles.
+
+Must match :mod:`bsrattn.reference.microkernel` (``scores``, ``attend``, ``attend_range``). What differs:
+
+- Tiling: ``q`` is a ``[BLOCK_M, BLOCK_D]`` tile whose rows are (query row, head of the GQA group) pairs, so
+  one K/V tile serves the whole group; keys arrive ``BLOCK_N`` at a time and the softmax is online
+  (running max ``m``, running sum ``l``, rescaled accumulator), in base 2 (``exp2``) with the scale
+  pre-multiplied by ``log2(e)``. LSE comes out in natural log.
+- Dtypes: ``q @ k^T`` and ``p @ v`` run in the input dtype with float32 accumulation (fp32 inputs use IEEE
+  dots, never TF32); ``p`` is rounded to the input dtype before ``p @ v``. fp8 KV is cast to ``q``'s dtype
+  on load; ``k_scale`` is folded into the score scale and ``v_scale`` into the output.
+- Masks: position masks (causal, sliding window) use :func:`bsrattn.indexing.key_visible`, re-decorated.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from bsrattn.torch_cuda import gather
+from bsrattn.torch_cuda.indexing import key_visible, mask_offset
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def tanh(x):
+    """``tanh`` from ``exp2`` (saturates to +-1 for large ``|x|``), for the logits soft cap."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def scores(q, k, q_pos, k_pos, slopes, qk_scale, soft_cap,  # q [BLOCK_M, D]; k [BLOCK_N, D]; slopes [BLOCK_M]
+           SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` transformed scores times ``log2(e)`` (reference ``scores``, base 2).
+
+    ``s = qk_scale * q.k``; soft cap ``cap * tanh(s / cap)``; ALiBi ``+ slope * (k_pos - q_pos)``.
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if SOFT_CAP or ALIBI:
+        s = s * qk_scale
+        if SOFT_CAP:
+            s = soft_cap * tanh(s / soft_cap)
+        if ALIBI:
+            s += slopes[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+        s = s * LOG2E
+    else:
+        s = s * (qk_scale * LOG2E)
+    return s
+
+
+@triton.jit
+def visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_ptr, mask_start,  # [BLOCK_M]/[BLOCK_N]
+            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, CUSTOM_MASK: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` bool: which (query, key) pairs count — in range, position masks, custom mask."""
+    vis = valid_m[:, None] & valid_n[None, :]
+    if CAUSAL or HAS_WINDOW:
+        if HAS_WINDOW:
+            vis &= key_visible(q_pos[:, None], k_pos[None, :], CAUSAL, window_left)
+        else:
+            vis &= key_visible(q_pos[:, None], k_pos[None, :], CAUSAL, -1)
+    if CUSTOM_MASK:
+        bits = tl.load(mask_ptr + mask_offset(mask_start, kv_len, q_local[:, None], k_pos[None, :]), mask=vis, other=0)
+        vis &= bits != 0
+    return vis
+
+
+@triton.jit
+def softmax_update(acc, m_i, l_i, s, vis, v,  # acc [BLOCK_M, D] f32; m_i, l_i [BLOCK_M]; s, vis [M, N]; v [N, D]
+                   PRECISION: tl.constexpr):
+    """One online-softmax step over a KV tile: rescale the running state by the new max, add ``p @ v``."""
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key keeps m = -inf; shifting by 0 instead keeps exp2 free of NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def sigmoid_update(acc, s, vis, sigmoid_bias, v, PRECISION: tl.constexpr):
+    """FlashSigmoid over a KV tile: ``acc += sigmoid(s + bias) @ v`` (``s`` in base-2 units), no normalisation."""
+    w = 1.0 / (1.0 + tl.exp2(-(s + sigmoid_bias * LOG2E)))
+    w = tl.where(vis, w, 0.0)
+    return acc + tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+
+
+@triton.jit
+def finish(acc, m_i, l_i, v_scale, SIGMOID: tl.constexpr):
+    """``(o [BLOCK_M, D], lse [BLOCK_M])``: normalised output and natural-log LSE; an empty row gives 0 and -inf."""
+    if SIGMOID:
+        return acc * v_scale, m_i
+    has_keys = l_i > 0.0
+    o = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    return o, lse
+
+
+@triton.jit
+def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_pos, q_local, slopes [BLOCK_M]
+                 k_head, v_head, kv_indices, row_block_start, row_first_slot, kv_start, kv_end, kv_len,
+                 mask_ptr, mask_start,
+                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                 qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """State of a query tile over the row's logical KV slots ``kv_start:kv_end`` (reference ``attend_range``).
+
+    ``k_head``/``v_head`` point at the KV head's first element. Returns ``(o, lse)`` as :func:`finish`.
+    """
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(kv_start, kv_end, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        valid_n = k_pos < kv_end
+        k_off = gather.slot_offsets(kv_indices, row_block_start, row_first_slot, k_pos, valid_n,
+                                    stride_kb, stride_ks, BLOCK_SIZE, DENSE)
+        k = gather.load_tile(k_head, k_off, valid_n, d, stride_kd, HEAD_DIM, q.dtype)
+        s = scores(q, k, q_pos, k_pos, slopes, qk_scale, soft_cap, SOFT_CAP, ALIBI, PRECISION)
+        vis = visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_ptr, mask_start,
+                      CAUSAL, HAS_WINDOW, CUSTOM_MASK)
+        v_off = gather.slot_offsets(kv_indices, row_block_start, row_first_slot, k_pos, valid_n,
+                                    stride_vb, stride_vs, BLOCK_SIZE, DENSE)
+        v = gather.load_tile(v_head, v_off, valid_n, d, stride_vd, HEAD_DIM, q.dtype)
+        if SIGMOID:
+            acc = sigmoid_update(acc, s, vis, sigmoid_bias, v, PRECISION)
+        else:
+            acc, m_i, l_i = softmax_update(acc, m_i, l_i, s, vis, v, PRECISION)
+    return finish(acc, m_i, l_i, v_scale, SIGMOID)

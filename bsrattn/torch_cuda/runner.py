@@ -1,0 +1,124 @@
+"""A plan bound to persistent device buffers: ``run`` is one launch of a fixed grid, capturable in a CUDA graph.
+
+``make_runner(spec, work_plan, previous)`` writes the plan into device buffers — ``previous``'s, in place,
+when they are large enough — so a CUDA graph captured around ``run`` replays the new plan: the grid
+(``num_ctas x num_kv_heads``), the buffer addresses, the workspace offsets and every scalar argument stay
+the same. What a graph does record, and what must therefore not change between the plans it replays:
+the launch configuration (:class:`~bsrattn.torch_cuda.config.LaunchConfig`: tile sizes from ``tile_q``,
+the variant, dtypes, the KV view) and the tensors passed to ``run``. ``run`` allocates nothing but the
+outputs it is not given, and never synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bsrattn import scheduler
+from bsrattn.torch_cuda import config as cfg
+from bsrattn.torch_cuda.plan_buffers import SECTIONS, Capacity, PlanBuffers
+from bsrattn.torch_cuda.tensors import SUPPORTED, check_device, default_device, device_of, dtype_str, to_numpy, \
+    to_torch, write_back
+
+
+class Runner:
+    """A :class:`~bsrattn.scheduler.WorkPlan` for ``spec`` on ``device``, ready to run.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+    work_plan : WorkPlan
+    device : torch.device
+        Where the plan's buffers live; every tensor given to :meth:`run` must be there.
+    previous : Runner, optional
+        A runner whose buffers may be refilled in place (when they fit) instead of allocating new ones.
+    """
+
+    def __init__(self, spec, work_plan, device, previous=None):
+        check_device(device)
+        need = Capacity.needed(work_plan, spec.layout)
+        shape = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
+        if isinstance(previous, Runner) and previous.buffers.fits(need, *shape):
+            buffers = previous.buffers
+        else:
+            buffers = PlanBuffers(need.grown(), *shape)
+        buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
+        self.spec = spec
+        self.work_plan = work_plan
+        self.device = device
+        self.buffers = buffers
+        self._sections = [x for name in SECTIONS for x in buffers.offsets[name]]
+        self._configs = {}
+
+    def launch_config(self, q_dtype: str, kv_view: str, store_lse: bool) -> cfg.LaunchConfig:
+        """The launch configuration for inputs of ``q_dtype`` stored as ``kv_view``."""
+        key = (q_dtype, kv_view, store_lse)
+        if key not in self._configs:
+            spec, variant = self.spec, self.spec.variant
+            t = cfg.tiles(cfg.block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype)
+            self._configs[key] = cfg.LaunchConfig(
+                num_ctas=self.work_plan.num_ctas, num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
+                head_dim=spec.head_dim, block_size=spec.layout.block_size, block_m=t.block_m, block_n=t.block_n,
+                block_d=cfg.block_d(spec.head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
+                kv_view=kv_view, causal=variant.causal, window_left=variant.window_left,
+                soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
+                sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None, store_lse=store_lse)
+        return self._configs[key]
+
+    def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+        """Attention of the plan on ``q [nnz_qo, Hq, D]``, ``k``/``v`` (a storage view); returns ``(out, lse or None)``.
+
+        Inputs are torch tensors on this runner's device, or NumPy arrays (moved there; the results then
+        come back as NumPy). ``out``/``lse`` buffers are written in place and returned.
+        """
+        spec = self.spec
+        as_numpy = not isinstance(q, torch.Tensor)
+        q_t, k_t, v_t = (to_torch(name, x, self.device) for name, x in (("q", q), ("k", k), ("v", v)))
+        for name, x in (("q", q_t), ("k", k_t)):
+            if dtype_str(x) not in SUPPORTED:
+                raise TypeError(f"{name} has dtype {dtype_str(x)}; the torch tier supports {SUPPORTED} "
+                                f"(use backend='reference' for float64)")
+        want_lse = (return_lse or lse is not None) and not spec.variant.use_sigmoid
+        out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
+        lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
+        config = self.launch_config(dtype_str(q_t), spec.kv_view_of(k_t), want_lse)
+        fp8 = spec.kv_is_fp8 or dtype_str(k_t).startswith("float8")
+        scalars = [spec.sm_scale * (k_scale if fp8 and k_scale is not None else 1.0),
+                   float(v_scale) if fp8 and v_scale is not None else 1.0,
+                   float(spec.variant.logits_soft_cap), float(spec.variant.sigmoid_bias or 0.0)]
+        b = self.buffers
+        torch.ops.bsrattn.attention_run(q_t, k_t, v_t, out_t, b.no_lse if lse_t is None else lse_t, b.plan, b.mask,
+                                        b.part_o, b.part_lse, b.counters, self._sections, config.to_list(), scalars)
+        if as_numpy:
+            o = write_back(out, out_t) if out is not None else to_numpy(out_t)
+            s = None if lse_t is None else (write_back(lse, lse_t) if lse is not None else to_numpy(lse_t))
+            return o, s
+        return out_t, lse_t
+
+    def _output(self, name, given, as_numpy, shape, dtype):
+        """The tensor the kernel writes ``name`` into: the caller's tensor, or a new one."""
+        if given is None or as_numpy:
+            if given is not None and not isinstance(given, np.ndarray):
+                raise TypeError(f"{name} must be a NumPy array when q is one, got {type(given).__name__}")
+            return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        if not isinstance(given, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor when q is one, got {type(given).__name__}")
+        if given.device != self.device:
+            raise ValueError(f"{name} is on {given.device}, the inputs and the plan on {self.device}")
+        if given.dtype != dtype:
+            raise TypeError(f"{name} has dtype {dtype_str(given)}, expected {str(dtype).removeprefix('torch.')}")
+        return given
+
+
+def make_runner(spec, work_plan, previous=None) -> Runner:
+    """Bind ``work_plan`` to device buffers, reusing ``previous``'s in place when they fit (CUDA graphs)."""
+    device = previous.device if isinstance(previous, Runner) else default_device()
+    return Runner(spec, work_plan, device, previous)
+
+
+def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+    """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once."""
+    device = device_of(q, k, v, out, lse)
+    work_plan = scheduler.plan(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
+    return Runner(spec, work_plan, device).run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale,
+                                               v_scale=v_scale)
