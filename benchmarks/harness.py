@@ -107,8 +107,11 @@ def _git(*args):
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def environment() -> dict:
-    """Where the figures come from: GPU, driver, package versions, git commit (or ``BENCH_GIT_COMMIT``)."""
+def environment(gpu: bool = True) -> dict:
+    """Where the figures come from: GPU, driver, package versions, git commit (or ``BENCH_GIT_COMMIT``).
+
+    ``gpu=False`` (a CPU-only workload) leaves torch unimported.
+    """
     env = {
         "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -123,10 +126,10 @@ def environment() -> dict:
     status = _git("status", "--porcelain", "--untracked-files=no")
     if status is not None:
         env["git_dirty"] = bool(status)
-    try:
-        import torch
-    except ImportError:
+    if not gpu:
         return env
+    import torch
+
     env["torch_cuda"] = torch.version.cuda
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -449,7 +452,7 @@ class Suite:
         self.device = "cuda" if self.gpu else "cpu"
         self.ceilings = None
         self._flush = None
-        self.environment = environment()
+        self.environment = environment(self.gpu)
         if self.gpu:
             import torch
 
@@ -518,9 +521,10 @@ class Suite:
             return None
         return write_json(Path(self.results_dir) / f"{self.workload}.json", self.payload())
 
-    def finish(self) -> Path | None:
+    def finish(self, table=None) -> Path | None:
+        """Write the JSON and print ``table(records)`` (default :func:`summary_table`): a remote run shows its end."""
         path = self.write()
-        print(summary_table(self.records), flush=True)
+        print((table or summary_table)(self.records), flush=True)
         if path is not None:
             print(f"wrote {path}", flush=True)
         return path
@@ -675,12 +679,14 @@ class Suite:
         del graph, y
         return stats(times)
 
-    def measure_host(self, config: dict, impl: str, build, *, samples=None) -> dict | None:
+    def measure_host(self, config: dict, impl: str, build, *, samples=None, needs_cuda=False) -> dict | None:
         """Host wall time of ``fn()`` (``build() -> fn``), with a device synchronize so copies are counted."""
         if not self.selected(impl):
             return None
         self._note(impl)
         rec = {"config": dict(config), "impl": impl, "status": "ok"}
+        if needs_cuda and not self.gpu:
+            return self.add({**rec, "status": "unavailable", "reason": "needs a CUDA GPU (dry run on the CPU)"})
         try:
             fn = build()
         except (Unavailable, ImportError, ba.BackendError) as exc:
