@@ -156,6 +156,8 @@ def spec_from_inputs(q, k, v, layout, variant=None, kv_layout="NHD", **run_kwarg
         raise ValueError(f"q must be [nnz_qo, num_qo_heads, head_dim], got shape {shape_of(q)}")
     view = _kv_view(k, kv_layout, layout.block_size)
     head_axis = 1 if view in ("HND", "NHD3") else 2
-    spec = make_spec(layout, shape_of(q)[1], shape_of(k)[head_axis], shape_of(q)[2], variant, None, None, view)
+    _check_dtypes(q, k, v, run_kwargs.get("k_scale"), run_kwargs.get("v_scale"))
+    spec = make_spec(layout, shape_of(q)[1], shape_of(k)[head_axis], shape_of(q)[2], variant, dtype_name(q),
+                     dtype_name(k), view)
     spec.check_run(q, k, v, **run_kwargs)
     return spec

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from bsrattn import indexing
-from bsrattn.validation import FP8_DTYPES, AttentionSpec, dtype_name
+from bsrattn.validation import AttentionSpec
 
 
 def kv_as_slots(x, spec: AttentionSpec, scale=None, dtype=np.float64) -> np.ndarray:
@@ -19,12 +19,10 @@ def kv_as_slots(x, spec: AttentionSpec, scale=None, dtype=np.float64) -> np.ndar
     ``scale`` multiplies fp8 KV after the cast (``k_scale``/``v_scale``, 1 when None).
     """
     x = np.asarray(x)
-    # The array's own dtype, not only the spec's: a one-shot ``attention`` spec carries no dtypes.
-    fp8 = spec.kv_is_fp8 or dtype_name(x) in FP8_DTYPES
     if spec.kv_view == "HND":
         x = x.transpose(0, 2, 1, 3)
     x = x.reshape(-1, spec.num_kv_heads, spec.head_dim).astype(dtype)
-    if fp8 and scale is not None:
+    if spec.kv_is_fp8 and scale is not None:
         x = x * dtype(scale)
     return x
 
