@@ -491,15 +491,18 @@ class Suite:
                     continue
                 self._bar = bar
                 yield config
-                self.release()
+                self.release(collect=True)
                 self.write()
                 bar.update(label(config))
         finally:
             bar.close()
 
-    def release(self):
-        """Return cached device memory between configurations (the largest ones need most of the GPU)."""
-        gc.collect()
+    def release(self, collect: bool = False):
+        """Return cached device memory (the largest configurations need most of the GPU); ``collect`` also runs
+        the garbage collector, which costs a good fraction of a second with torch loaded (once per configuration).
+        """
+        if collect:
+            gc.collect()
         if self.gpu:
             import torch
 

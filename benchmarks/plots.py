@@ -33,6 +33,12 @@ def _pyplot():
     return plt
 
 
+def _legend(ax, **kwargs):
+    """A legend when something was drawn (a workload whose implementations all failed draws nothing)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
 def _ok(records):
     return [r for r in records if r["status"] == "ok" and "time_us" in r]
 
@@ -73,7 +79,7 @@ def plot_w1(payload, fig):
         ax.set_title(f"seq_len {seq_len}")
         ax.set_xlabel("budget (pages)")
     axes[0].set_ylabel("µs (graph mode)")
-    axes[-1].legend(fontsize=7)
+    _legend(axes[-1], fontsize=7)
 
 
 def plot_w2(payload, fig):
@@ -84,7 +90,7 @@ def plot_w2(payload, fig):
     ax = fig.subplots()
     _bars(ax, labels, series, "bound / time (fraction of copy bandwidth)")
     ax.axhline(1.0, color="k", ls="--", lw=1)
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax, fontsize=7, ncol=2)
 
 
 def plot_w3(payload, fig):
@@ -96,7 +102,7 @@ def plot_w3(payload, fig):
     _bars(ax, labels, series, "TFLOP/s (causal FLOPs counted once)")
     if payload.get("ceilings"):
         ax.axhline(payload["ceilings"]["gemm_flops_per_s"] / 1e12, color="k", ls="--", lw=1, label="bf16 GEMM")
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax, fontsize=7, ncol=2)
 
 
 def _speedup_series(records, pairs):
@@ -125,7 +131,7 @@ def plot_w4(payload, fig):
     ax = fig.subplots()
     _bars(ax, labels, series, "no-split time / planned time")
     ax.axhline(1.0, color="k", ls="--", lw=1)
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax, fontsize=7, ncol=2)
 
 
 def plot_w5(payload, fig):
@@ -135,7 +141,7 @@ def plot_w5(payload, fig):
     ax = fig.subplots()
     _bars(ax, labels, series, "best plain decode / best cascade")
     ax.axhline(1.0, color="k", ls="--", lw=1)
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax, fontsize=7, ncol=2)
 
 
 def plot_w6(payload, fig):
@@ -148,7 +154,7 @@ def plot_w6(payload, fig):
     ax.set_yscale("log")
     ax.set_xlabel("batch")
     ax.set_ylabel("host µs per plan() (incl. copies to the GPU)")
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
 
 
 def plot_w7(payload, fig):
@@ -168,7 +174,7 @@ def plot_w7(payload, fig):
     left.set_xticks(np.arange(len(dists)), dists, rotation=20, ha="right", fontsize=8)
     left.set_ylabel("round-robin / planned makespan")
     left.axhline(1.0, color="k", ls="--", lw=1)
-    left.legend(fontsize=7)
+    _legend(left, fontsize=7)
     amp = [r for r in recs if r["config"]["table"] == "read_amplification"]
     if amp:
         seq_len = max(r["config"]["seq_len"] for r in amp)
@@ -182,29 +188,29 @@ def plot_w7(payload, fig):
         right.set_xlabel("kernel block size (tokens)")
         right.set_ylabel("slots read / slots needed")
         right.set_title(f"Quest, seq_len {seq_len} (dashed: expectation)", fontsize=9)
-        right.legend(fontsize=7)
+        _legend(right, fontsize=7)
 
 
 PLOTS = {"w1_quest_decode": plot_w1, "w2_paged_decode": plot_w2, "w3_prefill": plot_w3, "w4_split_kv": plot_w4,
          "w5_cascade": plot_w5, "w6_plan_host": plot_w6, "w7_cpu_models": plot_w7}
 
 
-def draw(payload, path: Path) -> Path:
+def draw(payload, path: Path, dpi: int = 90) -> Path:
     """Draw one workload's figure from its JSON payload into ``path``."""
     plt = _pyplot()
     fig = plt.figure(figsize=(12, 4.5))
     PLOTS[payload["workload"]](payload, fig)
     fig.suptitle(payload["title"] + (" (quick run)" if payload.get("quick") else ""), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
 
-def draw_all(results_dir=RESULTS_DIR) -> list:
+def draw_all(results_dir=RESULTS_DIR, dpi: int = 90) -> list:
     """A PNG beside every known workload's JSON in ``results_dir``; returns their paths."""
     results_dir = Path(results_dir)
-    return [draw(payload, results_dir / f"{name}.png") for name, payload in load_results(results_dir).items()
+    return [draw(payload, results_dir / f"{name}.png", dpi) for name, payload in load_results(results_dir).items()
             if name in PLOTS]
 
 
