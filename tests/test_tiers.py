@@ -112,14 +112,14 @@ def _rounded(dtype, *arrays):
     return tuple(np.asarray(a).astype(NUMPY_DTYPES[dtype]).astype(np.float64) for a in arrays)
 
 
-def _plan_heads(problem):
+def plan_heads(problem):
     """Head counts as the call sees them (Quest's per-head views: G query heads over one KV head)."""
     if problem.case.kind == "quest":
         return problem.num_qo_heads // problem.num_kv_heads, 1
     return problem.num_qo_heads, problem.num_kv_heads
 
 
-def _check_against_reference(tier, problem, dtype, run):
+def check_against_reference(tier, problem, dtype, run):
     """Run ``run(q, k, v, kv_layout) -> out or (out, lse)`` on the tier and compare with the reference."""
     case, variant = problem.case, problem.variant
     q, k, v = raw_tensors(problem, dtype)
@@ -136,7 +136,7 @@ def _check_against_reference(tier, problem, dtype, run):
     return got_o, got_lse
 
 
-def _attention_call(tier, problem):
+def attention_call(tier, problem):
     def run(q, k, v, kv_layout):
         return ba.attention(q, k, v, problem.case.layout, variant=problem.variant, kv_layout=kv_layout,
                             backend=tier.name, return_lse=not problem.variant.use_sigmoid)
@@ -150,7 +150,7 @@ def test_attention_every_layout(backend, kind):
     @backend.examples(per_kind=True)
     @given(problems([kind]), st.sampled_from(backend.dtypes))
     def check(problem, dtype):
-        _check_against_reference(backend, problem, dtype, _attention_call(backend, problem))
+        check_against_reference(backend, problem, dtype, attention_call(backend, problem))
 
     check()
 
@@ -158,21 +158,21 @@ def test_attention_every_layout(backend, kind):
 @pytest.mark.parametrize("name", sorted(EDGE_CASES))
 def test_attention_edge_cases(backend, name):
     problem = EDGE_CASES[name]
-    _check_against_reference(backend, problem, "float32", _attention_call(backend, problem))
+    check_against_reference(backend, problem, "float32", attention_call(backend, problem))
 
 
 def test_attention_any_layout_any_dtype(backend):
     @backend.examples()
     @given(problems(), st.sampled_from(backend.dtypes))
     def check(problem, dtype):
-        _check_against_reference(backend, problem, dtype, _attention_call(backend, problem))
+        check_against_reference(backend, problem, dtype, attention_call(backend, problem))
 
     check()
 
 
 def test_masked_rows_are_zero_with_minus_inf_lse(backend):
     problem = EDGE_CASES["every key masked (causal, qo_len > kv_len)"]
-    out, lse = _check_against_reference(backend, problem, "float32", _attention_call(backend, problem))
+    out, lse = check_against_reference(backend, problem, "float32", attention_call(backend, problem))
     out, lse = backend.numpy(out), backend.numpy(lse)
     # Queries 0 and 1 sit at positions -2 and -1: they see no key.
     assert (out[:2] == 0).all() and (lse[:2] == -np.inf).all()
@@ -189,9 +189,9 @@ def plan_options(draw):
                 disable_split_kv=choice == "disabled")
 
 
-def _batch_call(tier, problem, dtype, options, runs=2):
+def batch_call(tier, problem, dtype, options, runs=2):
     """``BatchAttention`` planned once and run ``runs`` times; the runs must agree bit for bit."""
-    hq, hkv = _plan_heads(problem)
+    hq, hkv = plan_heads(problem)
     attn = ba.BatchAttention(backend=tier.name)
 
     def run(q, k, v, kv_layout):
@@ -211,8 +211,8 @@ def test_batch_attention_any_layout(backend):
     @backend.examples()
     @given(problems(), st.sampled_from(backend.dtypes), plan_options())
     def check(problem, dtype, options):
-        run, _ = _batch_call(backend, problem, dtype, options)
-        _check_against_reference(backend, problem, dtype, run)
+        run, _ = batch_call(backend, problem, dtype, options)
+        check_against_reference(backend, problem, dtype, run)
 
     check()
 
@@ -230,8 +230,8 @@ def _paged_problem(variant=ba.Variant(causal=True), hq=4, hkv=2):
                          ids=["balanced-splits", "fixed_split_size", "disable_split_kv"])
 def test_batch_attention_split_modes(backend, options):
     problem = _paged_problem()
-    run, attn = _batch_call(backend, problem, "float32", options)
-    _check_against_reference(backend, problem, "float32", run)
+    run, attn = batch_call(backend, problem, "float32", options)
+    check_against_reference(backend, problem, "float32", run)
     (work_plan,) = attn.work_plans
     assert (work_plan.num_merges > 0) == (not options.get("disable_split_kv", False))
 
@@ -239,8 +239,8 @@ def test_batch_attention_split_modes(backend, options):
 def test_batch_attention_cascade(backend):
     problem = EDGE_CASES["shared prefix, empty suffix"]
     for options in (dict(num_ctas=4), dict(num_ctas=2, fixed_split_size=3)):
-        run, attn = _batch_call(backend, problem, "float32", options)
-        _check_against_reference(backend, problem, "float32", run)
+        run, attn = batch_call(backend, problem, "float32", options)
+        check_against_reference(backend, problem, "float32", run)
         assert len(attn.work_plans) == 2 and attn.work_plans[0].num_merges > 0
 
 

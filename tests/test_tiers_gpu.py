@@ -1,0 +1,248 @@
+"""The cross-tier checks of ``test_tiers.py`` at real sizes, on a GPU (marked ``gpu``; skipped without one).
+
+head_dim 128, 32 query heads over 8 KV heads, hundreds to thousands of keys, in float32, float16, bfloat16
+and fp8 KV, for the numba and torch tiers, against the float64 reference. Run on the H200 with::
+
+    python -m pytest tests/test_tiers_gpu.py -m gpu -q -rs
+
+A tier that documents a dtype as unsupported (a TypeError naming the dtype and saying it is not supported)
+is skipped for that dtype with its own message; any other error fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import bsrattn as ba
+from bsrattn.testing import assert_close
+from test_tiers import NUMPY_DTYPES, load_tier
+
+pytestmark = pytest.mark.gpu
+
+GPU_TIERS = ("numba", "torch")
+DTYPES = ("float32", "float16", "bfloat16")
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+@pytest.fixture(scope="module", params=GPU_TIERS)
+def gpu_backend(request):
+    return load_tier(request.param)
+
+
+def _supported_or_skip(tier, call):
+    """Run ``call``; a TypeError in which the tier declares the dtype unsupported becomes a skip."""
+    try:
+        return call()
+    except TypeError as err:
+        if "support" in str(err) and any(d in str(err) for d in NUMPY_DTYPES):
+            pytest.skip(f"{tier.name}: {err}")
+        raise
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _pages(rng, kv_lens, extra=8):
+    """Shuffled page tables over one pool for ``kv_lens``; returns ``(tables, num_pages)``."""
+    need = [-(-int(n) // PAGE) for n in kv_lens]
+    pool = rng.permutation(sum(need) + extra)
+    tables, at = [], 0
+    for n in need:
+        tables.append(pool[at:at + n])
+        at += n
+    return tables, int(pool.size)
+
+
+def _kv(rng, num_blocks, block_size, hkv=HKV, d=D):
+    return rng.standard_normal((2, num_blocks, block_size, hkv, d))
+
+
+def _compare(tier, layout, q, k, v, dtype, *, variant=ba.Variant(), kv_layout="NHD", kv_dtype=None, scales=None,
+             runner=None):
+    """Round the inputs through the dtypes, run the tier (``ba.attention`` or ``runner``), compare with the reference."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    scales = scales or {}
+    if kv_dtype in FP8:
+        k, v = (x / scales.get(name, 1.0) for x, name in ((k, "k_scale"), (v, "v_scale")))
+    q = q.astype(NUMPY_DTYPES[dtype])
+    k, v = (x.astype(NUMPY_DTYPES[kv_dtype]) for x in (k, v))
+    # The reference dequantises fp8 itself (its cast-then-scale is the spec); other dtypes go in as float64.
+    ref_args = (q, k, v) if kv_dtype in FP8 else tuple(x.astype(np.float64) for x in (q, k, v))
+    want_lse = not variant.use_sigmoid
+    want = ba.attention(*ref_args, layout, variant=variant, kv_layout=kv_layout, return_lse=want_lse,
+                        backend="reference", **scales)
+    args = (tier.array(q, dtype), tier.array(k, kv_dtype), tier.array(v, kv_dtype))
+    if runner is None:
+        got = _supported_or_skip(tier, lambda: ba.attention(*args, layout, variant=variant, kv_layout=kv_layout,
+                                                           return_lse=want_lse, backend=tier.name, **scales))
+    else:
+        got = _supported_or_skip(tier, lambda: runner(*args, return_lse=want_lse, **scales))
+    op_dtype = kv_dtype if kv_dtype in FP8 else dtype
+    got_o, got_lse = got if want_lse else (got, None)
+    want_o, want_l = want if want_lse else (want, None)
+    assert_close(tier.numpy(got_o), want_o, "attention", op_dtype, name=f"{tier.name} out")
+    if want_lse:
+        assert_close(tier.numpy(got_lse), want_l, "lse", op_dtype, name=f"{tier.name} lse")
+    return got
+
+
+# ---- layouts at real sizes ----------------------------------------------------------------------------
+
+def _paged_decode(seed=0, batch=8, lo=100, hi=2048):
+    rng = _rng(seed)
+    kv_lens = rng.integers(lo, hi, batch)
+    tables, num_pages = _pages(rng, kv_lens)
+    layout = ba.layouts.paged(np.ones(batch, int), tables, kv_lens, PAGE, num_pages)
+    k, v = _kv(rng, num_pages, PAGE)
+    return layout, rng.standard_normal((batch, HQ, D)), k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode(gpu_backend, dtype):
+    layout, q, k, v = _paged_decode()
+    _compare(gpu_backend, layout, q, k, v, dtype, variant=ba.Variant(causal=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_append_prefill_hnd(gpu_backend, dtype):
+    rng = _rng(1)
+    qo_lens = rng.integers(1, 129, 4)
+    kv_lens = qo_lens + rng.integers(0, 640, 4)
+    tables, num_pages = _pages(rng, kv_lens)
+    layout = ba.layouts.paged(qo_lens, tables, kv_lens, PAGE, num_pages)
+    k, v = (x.transpose(0, 2, 1, 3) for x in _kv(rng, num_pages, PAGE))
+    q = rng.standard_normal((int(qo_lens.sum()), HQ, D))
+    _compare(gpu_backend, layout, q, np.ascontiguousarray(k), np.ascontiguousarray(v), dtype,
+             variant=ba.Variant(causal=True), kv_layout="HND")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ragged_prefill(gpu_backend, dtype):
+    rng = _rng(2)
+    lens = [300, 200, 77]
+    layout = ba.layouts.ragged(lens, lens)
+    q = rng.standard_normal((sum(lens), HQ, D))
+    k, v = rng.standard_normal((2, sum(lens), HKV, D))
+    _compare(gpu_backend, layout, q, k, v, dtype, variant=ba.Variant(causal=True))
+
+
+@pytest.mark.parametrize("variant", [
+    ba.Variant(causal=True, logits_soft_cap=30.0),
+    ba.Variant(causal=True, window_left=256),
+    ba.Variant(causal=True, alibi_slopes=[2.0 ** -(8 * (h + 1) / HQ) for h in range(HQ)]),
+    ba.Variant(sigmoid_bias=-2.0, sm_scale=0.05),
+    ba.Variant(sm_scale=0.3),
+], ids=["soft_cap", "window", "alibi", "sigmoid", "sm_scale"])
+def test_variants(gpu_backend, variant):
+    layout, q, k, v = _paged_decode(seed=3)
+    _compare(gpu_backend, layout, q, k, v, "float16", variant=variant)
+
+
+def test_block_sparse_with_mask(gpu_backend):
+    rng = _rng(4)
+    M, N, R, C = 256, 1024, 16, 64
+    rows, cols = M // R, N // C
+    per_row = [np.sort(rng.choice(cols, rng.integers(0, cols // 2), replace=False)) for _ in range(rows)]
+    indptr = np.concatenate([[0], np.cumsum([r.size for r in per_row])])
+    mask = rng.random((int(indptr[-1]), R, C)) < 0.7
+    layout = ba.layouts.block_sparse(indptr, np.concatenate(per_row), M, N, R, C, mask=mask)
+    k, v = rng.standard_normal((2, N // C, C, HKV, D))
+    _compare(gpu_backend, layout, rng.standard_normal((M, HQ, D)), k, v, "float16", variant=ba.Variant(causal=True))
+
+
+def test_vector_sparse(gpu_backend):
+    rng = _rng(5)
+    tokens = [rng.choice(8192, 512, replace=False) for _ in range(8)]
+    layout = ba.layouts.vector_sparse(tokens, [1] * 8, num_slots=8192)
+    k, v = rng.standard_normal((2, 8192, HKV, D))
+    _compare(gpu_backend, layout, rng.standard_normal((8, HQ, D)), k, v, "float16")
+
+
+def test_quest_per_head_pages(gpu_backend):
+    rng = _rng(6)
+    kv_lens = rng.integers(1024, 4096, 8)
+    tables, num_pages = _pages(rng, kv_lens)
+    selected = [[np.sort(rng.choice(len(t), 64, replace=False)) for _ in range(HKV)] for t in tables]
+    layout = ba.layouts.quest(tables, kv_lens, selected, PAGE, num_pages, HKV)
+    k, v = rng.standard_normal((2, num_pages, HKV, PAGE, D))
+    q, k, v = ba.layouts.per_head_views(rng.standard_normal((8, HQ, D)), k, v, HKV)
+    _compare(gpu_backend, layout, q, k, v, "float16")
+
+
+def test_tree_decoding(gpu_backend):
+    rng = _rng(7)
+    parents = [[-1] + [int(rng.integers(0, i)) for i in range(1, 32)] for _ in range(4)]
+    kv_lens = rng.integers(300, 1200, 4) + 32
+    tables, num_pages = _pages(rng, kv_lens)
+    layout = ba.layouts.tree(parents, tables, kv_lens, PAGE, num_pages)
+    k, v = _kv(rng, num_pages, PAGE)
+    _compare(gpu_backend, layout, rng.standard_normal((4 * 32, HQ, D)), k, v, "float16", variant=ba.Variant(causal=True))
+
+
+def test_shared_prefix_cascade(gpu_backend):
+    rng = _rng(8)
+    suffix_lens = rng.integers(10, 500, 16)
+    prefix_len = 2048
+    tables, num_pages = _pages(rng, [prefix_len, *suffix_lens])
+    cascade = ba.layouts.shared_prefix(np.ones(16, int), tables[0], prefix_len, tables[1:], suffix_lens, PAGE, num_pages)
+    k, v = _kv(rng, num_pages, PAGE)
+    _compare(gpu_backend, cascade, rng.standard_normal((16, HQ, D)), k, v, "float16", variant=ba.Variant(causal=True))
+
+
+# ---- fp8 KV -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_fp8_kv_with_scales(gpu_backend, q_dtype, kv_dtype):
+    layout, q, k, v = _paged_decode(seed=9)
+    _compare(gpu_backend, layout, q, k, v, q_dtype, kv_dtype=kv_dtype, scales=dict(k_scale=0.5, v_scale=0.25),
+             variant=ba.Variant(causal=True))
+
+
+# ---- plan / run, determinism --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options", [dict(), dict(fixed_split_size=256), dict(disable_split_kv=True),
+                                     dict(num_ctas=16)], ids=["tier-default", "fixed_split", "no_split", "16_ctas"])
+def test_batch_attention(gpu_backend, options):
+    layout, q, k, v = _paged_decode(seed=10, batch=16, lo=16, hi=4000)
+    attn = ba.BatchAttention(backend=gpu_backend.name)
+    attn.plan(layout, HQ, HKV, D, variant=ba.Variant(causal=True), q_dtype="float16", kv_dtype="float16", **options)
+    first = _compare(gpu_backend, layout, q, k, v, "float16", variant=ba.Variant(causal=True), runner=attn.run)
+    args = [gpu_backend.array(x, "float16") for x in (q, k, v)]
+    for _ in range(3):
+        again = attn.run(*args, return_lse=True)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(gpu_backend.numpy(a), gpu_backend.numpy(b))
+
+
+def test_replan_with_new_lengths(gpu_backend):
+    attn = ba.BatchAttention(backend=gpu_backend.name)
+    for seed in (11, 12, 13):
+        layout, q, k, v = _paged_decode(seed=seed, batch=12)
+        attn.plan(layout, HQ, HKV, D, variant=ba.Variant(causal=True), q_dtype="float16", kv_dtype="float16")
+        _compare(gpu_backend, layout, q, k, v, "float16", variant=ba.Variant(causal=True), runner=attn.run)
+
+
+def test_same_call_gives_identical_bytes(gpu_backend):
+    layout, q, k, v = _paged_decode(seed=14)
+    args = [gpu_backend.array(x, "float16") for x in (q, k, v)]
+    outs = {gpu_backend.numpy(ba.attention(*args, layout, backend=gpu_backend.name)).tobytes() for _ in range(20)}
+    assert len(outs) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_merge_states_real_size(gpu_backend, dtype):
+    from bsrattn.reference import merge_states
+
+    rng = _rng(15)
+    o = rng.standard_normal((512, 7, HQ, D)).astype(NUMPY_DTYPES[dtype]).astype(np.float64)
+    lse = rng.uniform(-20, 20, (512, 7, HQ)).astype(np.float32)
+    lse[rng.random(lse.shape) < 0.1] = -np.inf
+    got_o, got_lse = _supported_or_skip(gpu_backend, lambda: ba.merge_states(
+        gpu_backend.array(o, dtype), gpu_backend.array(lse, "float32"), backend=gpu_backend.name))
+    want_o, want_lse = merge_states(o, lse.astype(np.float64))
+    assert_close(gpu_backend.numpy(got_o), want_o, "merge", dtype, name="merge_states o")
+    assert_close(gpu_backend.numpy(got_lse), want_lse, "merge", "float32", name="merge_states lse")
