@@ -1,0 +1,68 @@
+"""Array kinds at the numba tier's edge: NumPy in, NumPy out; device array in, device array out.
+
+A call takes NumPy arrays (copied to the GPU for the call, results copied back) or device arrays used in
+place: Numba's own, real or simulated, and anything with ``__cuda_array_interface__`` (a torch CUDA tensor,
+a CuPy array). Results come back in the kind of the array they follow (``q`` for attention, ``o_a`` for a
+merge): NumPy, a Numba device array, or a torch tensor when a torch tensor came in. bfloat16 and fp8 travel
+as their raw bits (:mod:`.formats`); only NumPy (ml_dtypes) arrays can carry them here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from bsrattn.numba_cuda.formats import BITS, format_of, numpy_dtype, storage_dtype
+
+
+def is_device(x) -> bool:
+    """Whether ``x`` lives on the GPU (a Numba device array or any ``__cuda_array_interface__`` object)."""
+    return bool(getattr(x, "__cuda_ndarray__", False)) or hasattr(x, "__cuda_array_interface__")
+
+
+def device_array(x, name: str):
+    """``x`` as a C-contiguous Numba device array of its storage dtype: copied if on the host, else a view."""
+    fmt = format_of(x)
+    if not is_device(x):
+        return cuda.to_device(np.ascontiguousarray(np.asarray(x)).view(storage_dtype(fmt)))
+    if fmt in BITS:
+        raise TypeError(f"{name} is a {fmt} device array; Numba has no such type: pass it as a NumPy (ml_dtypes) "
+                        f"array, or use the torch tier")
+    dev = x if getattr(x, "__cuda_ndarray__", False) else cuda.as_cuda_array(x)
+    if not dev.is_c_contiguous():
+        raise ValueError(f"{name} must be C-contiguous on the device; got shape {tuple(dev.shape)}, "
+                         f"strides {tuple(dev.strides)}")
+    return dev
+
+
+def empty(shape, fmt: str):
+    """A new device array holding ``shape`` elements of ``fmt`` (as its storage dtype)."""
+    return cuda.device_array(tuple(int(s) for s in shape), dtype=storage_dtype(fmt))
+
+
+def target(buffer, shape, fmt: str, name: str):
+    """Where a kernel writes a result: the caller's device ``buffer`` itself, or a new device array."""
+    if buffer is not None and is_device(buffer):
+        return device_array(buffer, name)
+    return empty(shape, fmt)
+
+
+def to_host(dev, fmt: str) -> np.ndarray:
+    """A device result as a NumPy array of ``fmt`` (bits viewed back as ml_dtypes)."""
+    host = dev.copy_to_host()
+    return host.view(numpy_dtype(fmt)) if fmt in BITS else host
+
+
+def deliver(dev, fmt: str, like, buffer=None):
+    """Hand a device result back in the caller's kind: into ``buffer`` if given, else like ``like``."""
+    if buffer is not None:
+        if not is_device(buffer):
+            buffer[...] = to_host(dev, fmt)
+        return buffer
+    if not is_device(like):
+        return to_host(dev, fmt)
+    if type(like).__module__.split(".")[0] == "torch":
+        import torch
+
+        return torch.as_tensor(dev, device=like.device)
+    return dev

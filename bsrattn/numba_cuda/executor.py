@@ -1,0 +1,286 @@
+"""The persistent kernel that executes a :class:`~bsrattn.scheduler.WorkPlan`, then the deterministic merge.
+
+Matches :func:`bsrattn.reference.executor.execute`, CTA for CTA. The grid is fixed by the plan, not by the
+batch: ``(work_plan.num_ctas, num_kv_heads)`` blocks. Block ``(c, h)`` walks CTA ``c``'s items
+``cta_indptr[c]:cta_indptr[c+1]`` in order, for KV head ``h`` and its ``G`` query heads. For each item, and
+each sub-tile of its query rows, it loops over the item's KV range one ``tile_kv`` tile at a time::
+
+    resolve_rows   storage row of each key of the tile (sparse or dense path)   gather.py
+    copy_rows      K and V rows -> shared memory, two-phase                      gather.py
+    scores         q . k, scale, soft cap, ALiBi, masks                          microkernel.py
+    probabilities  p = exp(s - m_new), alpha = exp(m - m_new) (or sigmoid)      microkernel.py
+    accumulate     acc = alpha acc + P V, l = alpha l + sum p                    microkernel.py
+
+with a block-wide barrier between steps (four per tile).
+and then writes its state: an unsplit item writes ``out``/``lse`` directly; an item of a split tile writes
+its partial ``(o, lse)`` into its plan-assigned workspace rows, which the merge kernel
+(:func:`.merge.plan_merge_kernel`) folds afterwards in the plan's order. No atomics anywhere, so the result
+is a pure function of the inputs and the plan.
+
+Kernels are specialised per :class:`Config` (head_dim, GQA group, dtypes, storage order, which variant
+features are on): the shapes of shared and local arrays must be compile-time constants in CUDA, and features
+that are off compile away.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from bsrattn.numba_cuda import arrays, launch
+from bsrattn.numba_cuda.formats import compute_format, format_of, numpy_dtype, storage_dtype
+from bsrattn.numba_cuda.gather import affine_row_starts, copy_word, make_gather, rows_view
+from bsrattn.numba_cuda.merge import plan_merge_kernel
+from bsrattn.numba_cuda.microkernel import make_microkernel
+
+# Rows of the packed item table ``items [NUM_ITEM_FIELDS, W]`` (the WorkPlan's per-item arrays, stacked).
+ITEM_ROW, ITEM_QO_START, ITEM_QO_END, ITEM_KV_START, ITEM_KV_END, ITEM_PARTIAL = range(6)
+NUM_ITEM_FIELDS = 6
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a compiled attention kernel is specialised on."""
+
+    head_dim: int
+    group: int              # query heads per KV head
+    q_format: str           # also the output's
+    kv_format: str
+    compute_name: str       # "float32", or "float64" for float64 inputs
+    kv_hnd: bool            # k/v stored HND ([blocks, Hkv, Bc, D]) rather than NHD
+    dense: bool             # every row's KV is one contiguous run: the affine load path
+    causal: bool
+    soft_cap: bool
+    alibi: bool
+    sigmoid: bool
+    custom_mask: bool
+    word_size: int          # bytes per copied word
+    num_threads: int
+    tile_kv: int
+    tile_rows: int          # query rows per sub-tile
+
+    @property
+    def compute(self):
+        """The compute scalar type (a NumPy type: a cast in kernels and in the simulator alike)."""
+        return np.dtype(self.compute_name).type
+
+    @property
+    def word(self) -> np.dtype:
+        return np.dtype(f"u{self.word_size}")
+
+    @property
+    def element(self) -> np.dtype:
+        """How a gathered K/V element is stored (the raw bits for bf16 and fp8)."""
+        return np.dtype(storage_dtype(self.kv_format))
+
+    @property
+    def row_words(self) -> int:
+        return self.head_dim * self.element.itemsize // self.word_size
+
+    @property
+    def row_stride(self) -> int:
+        """Words per row of a shared K/V tile: one word of padding staggers rows across the memory banks, so
+        threads reading different keys' rows do not all queue on one bank."""
+        return self.row_words + 1
+
+    @property
+    def max_nq(self) -> int:
+        return self.tile_rows * self.group
+
+    @property
+    def acc_per_thread(self) -> int:
+        return -(-self.max_nq * self.head_dim // self.num_threads)
+
+    @property
+    def words_per_thread(self) -> int:
+        """Words of one K (or V) tile each thread copies."""
+        return -(-self.tile_kv * self.row_words // self.num_threads)
+
+
+def shared_bytes(head_dim, group, tile_rows, tile_kv, row_bytes, word_size, compute_size) -> int:
+    """Static shared memory of one block: K and V tiles, queries, scores and probabilities, running state,
+    tile rows."""
+    nq = tile_rows * group
+    kv = 2 * tile_kv * (row_bytes + word_size)
+    return kv + compute_size * (nq * head_dim + 2 * nq * tile_kv + 4 * nq) + 8 * tile_kv
+
+
+def query_tile_rows(group: int) -> int:
+    """Query rows a block holds at once: ``MAX_QUERIES // G``, at least one (the plan's ``tile_q``)."""
+    return max(1, launch.MAX_QUERIES // group)
+
+
+def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size):
+    """``(tile_rows, tile_kv)``: :func:`query_tile_rows`, and the largest power-of-two KV tile up to ``TILE_KV``
+    whose shared memory fits ``SHARED_MEMORY_LIMIT``."""
+    tile_rows = query_tile_rows(group)
+    tile_kv = launch.TILE_KV
+    while shared_bytes(head_dim, group, tile_rows, tile_kv, head_dim * kv_itemsize, word_size,
+                       compute_size) > launch.SHARED_MEMORY_LIMIT:
+        if tile_kv == 1:
+            raise ValueError(f"head_dim={head_dim} with {group} query heads per KV head does not fit the numba "
+                             f"tier's {launch.SHARED_MEMORY_LIMIT} bytes of shared memory per block")
+        tile_kv //= 2
+    return tile_rows, tile_kv
+
+
+@functools.lru_cache(maxsize=None)
+def persistent_kernel(cfg: Config):
+    """The compiled-on-first-launch attention kernel for ``cfg``."""
+    resolve_rows, copy_rows = make_gather(cfg)
+    load_queries, scores, probabilities, accumulate, finish = make_microkernel(cfg)
+    compute, word, element = cfg.compute, cfg.word, cfg.element
+    head_dim, group, tile_kv, tile_rows, max_nq = cfg.head_dim, cfg.group, cfg.tile_kv, cfg.tile_rows, cfg.max_nq
+    row_stride, acc_per_thread, words_per_thread = cfg.row_stride, cfg.acc_per_thread, cfg.words_per_thread
+
+    @cuda.jit
+    def persistent(q, k_words, v_words, out, lse, part_o, part_lse, cta_indptr, items, qo_indptr, kv_indptr,
+                   kv_indices, kv_lens, row_slot_start, mask_indptr, mask, block_size, num_kv_heads, score_scale,
+                   v_scale, window_left, cap, alibi_slopes, sigmoid_bias):
+        """One block per (CTA, KV head), walking the CTA's work items.
+
+        q [nnz_qo, Hq, D]; k_words, v_words [rows, row_words] (storage rows, see gather.rows_view);
+        out [nnz_qo, Hq, D]; lse [nnz_qo, Hq]; part_o [P, Hq, D]; part_lse [P, Hq]; cta_indptr [num_ctas+1];
+        items [NUM_ITEM_FIELDS, W]; qo_indptr, kv_indptr [R+1]; kv_indices [nnz]; kv_lens, row_slot_start [R];
+        mask_indptr [R+1]; mask [sum qo_len*kv_len] (custom mask); alibi_slopes [Hq].
+        """
+        cta, kv_head, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        # Shared memory, one allocation per purpose (the simulator pays for each allocation site).
+        q_tile = cuda.shared.array((max_nq, head_dim), compute)
+        kv_tiles = cuda.shared.array((2, tile_kv, row_stride), word)   # the gathered K and V rows
+        weights = cuda.shared.array((2, max_nq, tile_kv), compute)     # scores s, then probabilities p
+        state = cuda.shared.array((4, max_nq), compute)                # per query: m, m_new, l, alpha
+        tile_rows_s = cuda.shared.array(tile_kv, np.int64)
+        k_tile, v_tile = kv_tiles[0], kv_tiles[1]
+        s_tile, p_tile = weights[0], weights[1]
+        m_run, m_next, l_run, alpha = state[0], state[1], state[2], state[3]
+        acc = cuda.local.array(acc_per_thread, compute)
+        k_staged = cuda.local.array(words_per_thread, word)
+        v_staged = cuda.local.array(words_per_thread, word)
+        k_el, v_el = k_tile.view(element), v_tile.view(element)
+
+        for w in range(cta_indptr[cta], cta_indptr[cta + 1]):
+            r = items[ITEM_ROW, w]
+            item_q0, item_q1 = items[ITEM_QO_START, w], items[ITEM_QO_END, w]
+            kv_start, kv_end = items[ITEM_KV_START, w], items[ITEM_KV_END, w]
+            part_row0 = items[ITEM_PARTIAL, w]
+            row_q_start, kv_len = qo_indptr[r], kv_lens[r]
+            qo_len = qo_indptr[r + 1] - row_q_start
+            for q_row0 in range(item_q0, item_q1, tile_rows):
+                nq = min(tile_rows, item_q1 - q_row0) * group
+                load_queries(t, q_tile, m_run, l_run, acc, q, q_row0, nq, kv_head)
+                resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
+                             kv_head, kv_start, kv_end)
+                cuda.syncthreads()
+                for kv0 in range(kv_start, kv_end, tile_kv):
+                    copy_rows(t, k_staged, v_staged, k_tile, v_tile, k_words, v_words, tile_rows_s)
+                    cuda.syncthreads()
+                    scores(t, s_tile, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len, kv_head,
+                           score_scale, window_left, cap, alibi_slopes, mask_indptr[r], mask)
+                    cuda.syncthreads()
+                    probabilities(t, s_tile, p_tile, m_run, m_next, alpha, nq, sigmoid_bias)
+                    cuda.syncthreads()
+                    accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, v_el, nq)
+                    # The next tile's rows, while this one's are no longer read: one barrier fewer per tile.
+                    resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
+                                 kv_head, kv0 + tile_kv, kv_end)
+                    cuda.syncthreads()
+                finish(t, acc, m_run, l_run, nq, q_row0, kv_head, v_scale, out, lse, item_q0, part_o, part_lse,
+                       part_row0)
+                cuda.syncthreads()
+
+    return persistent
+
+
+def _address(x) -> int:
+    """Device pointer of ``x`` (0 under the simulator, whose arrays are host memory)."""
+    return getattr(x, "__cuda_array_interface__", {"data": (0,)})["data"][0]
+
+
+def _at_least_one(a, dtype):
+    """``a`` as a device array of ``dtype`` with at least one element (kernels take no empty arrays)."""
+    a = np.asarray(a, dtype=dtype).reshape(-1)
+    return cuda.to_device(a if a.size else np.zeros(1, dtype))
+
+
+class Runner:
+    """A :class:`~bsrattn.scheduler.WorkPlan` bound to its spec, its index arrays resident on the device.
+
+    ``run`` launches the persistent kernel (grid ``(num_ctas, num_kv_heads)``) and, when the plan split any
+    tile, the merge kernel (grid ``(num_merges, num_qo_heads)``). The workspace for partial states is kept and
+    reused by later plans of the same BatchAttention when it is large enough.
+    """
+
+    def __init__(self, spec, work_plan, previous=None):
+        self.spec = spec
+        self.work_plan = work_plan
+        layout = spec.layout
+        starts = affine_row_starts(layout)
+        self.dense = starts is not None
+        self._layout_args = (
+            _at_least_one(layout.qo_indptr, np.int32), _at_least_one(layout.kv_indptr, np.int32),
+            _at_least_one(layout.kv_indices, np.int32), _at_least_one(layout.kv_lens, np.int32),
+            _at_least_one(starts if self.dense else np.zeros(layout.num_rows), np.int32),
+            _at_least_one(layout.mask_indptr, np.int64),
+            _at_least_one(layout.custom_mask if layout.custom_mask is not None else [], np.bool_))
+        items = np.stack([work_plan.item_row, work_plan.item_qo_start, work_plan.item_qo_end,
+                          work_plan.item_kv_start, work_plan.item_kv_end, work_plan.item_partial])
+        self._plan_args = (_at_least_one(work_plan.cta_indptr, np.int32),
+                           cuda.to_device(np.ascontiguousarray(items, dtype=np.int32)) if items.size else None)
+        self._merge_args = tuple(_at_least_one(a, np.int32) for a in (
+            work_plan.merge_indptr, work_plan.merge_partials, work_plan.merge_qo_start, work_plan.merge_qo_end))
+        variant = spec.variant
+        self._alibi = _at_least_one(variant.alibi_slopes if variant.alibi_slopes is not None else [], np.float64)
+        self._workspace = previous._workspace if previous is not None else {}
+
+    def workspace(self, compute_name: str):
+        """``(part_o [P, Hq, D], part_lse [P, Hq])`` in the compute dtype, allocated once per size."""
+        rows = max(1, self.work_plan.num_partial_rows)
+        shape = (rows, self.spec.num_qo_heads, self.spec.head_dim)
+        held = self._workspace.get(compute_name)
+        if held is None or held[0].shape[0] < rows or tuple(held[0].shape[1:]) != shape[1:]:
+            held = (arrays.empty(shape, compute_name), arrays.empty(shape[:2], compute_name))
+            self._workspace[compute_name] = held
+        return held
+
+    def config(self, q_format, kv_format, kv_view, word_size) -> Config:
+        spec, variant = self.spec, self.spec.variant
+        compute_name = compute_format(q_format, kv_format)
+        tile_rows, tile_kv = choose_tiles(spec.head_dim, spec.group_size, numpy_dtype(kv_format).itemsize,
+                                          word_size, np.dtype(compute_name).itemsize)
+        return Config(head_dim=spec.head_dim, group=spec.group_size, q_format=q_format, kv_format=kv_format,
+                      compute_name=compute_name, kv_hnd=kv_view == "HND", dense=self.dense, causal=variant.causal,
+                      soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
+                      sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None,
+                      word_size=word_size, num_threads=launch.NUM_THREADS, tile_kv=tile_kv, tile_rows=tile_rows)
+
+    def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+        """Attention of ``q [nnz_qo, Hq, D]`` over ``k, v`` (the spec's storage); returns ``(out, lse or None)``."""
+        spec, work_plan, variant = self.spec, self.work_plan, self.spec.variant
+        q_format, kv_format = format_of(q), format_of(k)
+        q_dev, k_dev, v_dev = (arrays.device_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+        row_bytes = spec.head_dim * numpy_dtype(kv_format).itemsize
+        cfg = self.config(q_format, kv_format, spec.kv_view_of(k),
+                          copy_word(row_bytes, _address(k_dev), _address(v_dev)).itemsize)
+        compute, lse_format = cfg.compute, cfg.compute_name
+        nnz_qo, num_qo_heads = spec.layout.nnz_qo, spec.num_qo_heads
+        out_dev = arrays.target(out, (nnz_qo, num_qo_heads, spec.head_dim), q_format, "out")
+        lse_dev = arrays.target(lse, (nnz_qo, num_qo_heads), lse_format, "lse")
+        part_o, part_lse = self.workspace(cfg.compute_name)
+        if work_plan.num_items:
+            launch.run(persistent_kernel(cfg), (work_plan.num_ctas, spec.num_kv_heads), cfg.num_threads,
+                q_dev, rows_view(k_dev, spec.head_dim, cfg.word), rows_view(v_dev, spec.head_dim, cfg.word),
+                out_dev, lse_dev, part_o, part_lse, *self._plan_args, *self._layout_args,
+                spec.layout.block_size, spec.num_kv_heads, compute(spec.sm_scale * (k_scale or 1.0)),
+                compute(v_scale or 1.0), variant.window_left, compute(variant.logits_soft_cap or 1.0), self._alibi,
+                compute(variant.sigmoid_bias or 0.0))
+        if work_plan.num_merges:
+            merge = plan_merge_kernel(cfg.compute_name, q_format, spec.head_dim, cfg.sigmoid, launch.MERGE_THREADS)
+            launch.run(merge, (work_plan.num_merges, num_qo_heads), launch.MERGE_THREADS,
+                       part_o, part_lse, out_dev, lse_dev, *self._merge_args)
+        result_o = arrays.deliver(out_dev, q_format, q, out)
+        want_lse = not variant.use_sigmoid and (return_lse or lse is not None)
+        return result_o, (arrays.deliver(lse_dev, lse_format, q, lse) if want_lse else None)

@@ -1,0 +1,112 @@
+"""The load module: which storage rows a KV tile reads, and the cooperative copy of them into shared memory.
+
+Matches :func:`bsrattn.reference.gather.row_slots` and :func:`~bsrattn.reference.gather.gather`; it differs
+in working one tile of ``tile_kv`` logical slots at a time, and in moving the storage's own bits (fp8 and
+bf16 are decoded at use, :mod:`.formats`).
+
+The two ways of naming a tile's pool slots sit side by side, as in the paper:
+
+- the **sparse path** goes through the BSR indices, ``j = kv_indices[kv_indptr[r] + i // Bc] * Bc + i % Bc``
+  (:func:`bsrattn.indexing.sparse_slot`): paged caches, Quest, vector-sparse KV, trees;
+- the **dense path** is affine, ``j = row_start[r] + i`` (:func:`bsrattn.indexing.dense_slot`), taken when
+  every row's KV is one contiguous run of slots (ragged and dense layouts, consecutive pages).
+
+After that, both copy whole ``head_dim`` rows, so the coalescing comes from the head dimension whatever the
+block size is: with fp16 and ``head_dim`` 128 a row is 256 bytes, one 8-byte word per lane of a warp.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bsrattn import indexing
+from bsrattn.numba_cuda.launch import device
+
+sparse_slot = device(indexing.sparse_slot)
+dense_slot = device(indexing.dense_slot)
+nhd_row = device(indexing.nhd_row)
+hnd_row = device(indexing.hnd_row)
+
+
+def affine_row_starts(layout):
+    """``[R]`` int32 first pool slot of each row when every row's slots are one contiguous run, else None.
+
+    A row is contiguous when its consecutive blocks are consecutive in the pool (``kv_indices`` steps by 1);
+    the last block's ``kv_last_len`` only shortens the run.
+    """
+    indices = layout.kv_indices.astype(np.int64)
+    has_blocks = np.diff(layout.kv_indptr) > 0
+    starts = layout.kv_indptr[:-1][has_blocks]
+    row_start = np.zeros(indices.size, dtype=bool)
+    row_start[starts] = True
+    if not np.all((np.diff(indices) == 1) | row_start[1:]):
+        return None
+    first = np.zeros(layout.num_rows, dtype=np.int64)
+    first[has_blocks] = indices[starts] * layout.block_size
+    return first.astype(np.int32)
+
+
+def copy_word(row_bytes: int, *pointers) -> np.dtype:
+    """The widest unsigned word (8, 4, 2 or 1 bytes) that divides a row and the alignment of every pointer."""
+    for size in (8, 4, 2, 1):
+        if row_bytes % size == 0 and all(p % size == 0 for p in pointers):
+            return np.dtype(f"u{size}")
+    raise AssertionError("unreachable: 1 divides everything")
+
+
+def rows_view(x, head_dim: int, word: np.dtype):
+    """Device ``k`` or ``v`` in any storage, seen as ``[rows, head_dim * itemsize / word]`` words."""
+    return x.reshape(x.size // head_dim, head_dim).view(word)
+
+
+def make_gather(cfg):
+    """Device functions ``resolve_rows`` and ``copy_rows`` for one kernel configuration (see ``executor.Config``)."""
+    tile_kv, threads = cfg.tile_kv, cfg.num_threads
+    row_words, tile_words, words_per_thread = cfg.row_words, cfg.tile_kv * cfg.row_words, cfg.words_per_thread
+    dense, hnd = cfg.dense, cfg.kv_hnd
+
+    @device
+    def resolve_rows(t, tile_rows, kv_indices, row_block_start, row_slot_start, block_size, num_kv_heads, kv_head,
+                     kv0, kv_end):
+        """Thread ``t``'s share of ``tile_rows [tile_kv]`` (shared) <- the storage row of logical slot ``kv0 + j``
+        of the block row, -1 past its end."""
+        for j in range(t, tile_kv, threads):
+            i = kv0 + j
+            row = -1
+            if i < kv_end:
+                if dense:
+                    slot = dense_slot(row_slot_start, i)
+                else:
+                    slot = sparse_slot(kv_indices, row_block_start, block_size, i)
+                if hnd:
+                    row = hnd_row(slot, kv_head, num_kv_heads, block_size)
+                else:
+                    row = nhd_row(slot, kv_head, num_kv_heads)
+            tile_rows[j] = row
+
+    @device
+    def copy_rows(t, k_staged, v_staged, k_tile, v_tile, k_words, v_words, tile_rows):
+        """Thread ``t``'s share of ``k_tile, v_tile [tile_kv, row_words + pad]`` (shared) <- rows ``tile_rows`` of
+        ``k_words, v_words [rows, row_words]``; rows past the end are zeroed, so a zero weight never meets stale
+        NaN bits.
+
+        Two phases through ``k_staged, v_staged [words_per_thread]`` (local): every load of this thread is
+        issued before any store, so a thread keeps ``words_per_thread`` loads in flight instead of waiting out
+        the memory latency once per word (what ``cp.async`` does in hardware; Numba has no async copy).
+        """
+        for n in range(words_per_thread):
+            e = t + n * threads
+            src = tile_rows[e // row_words] if e < tile_words else -1
+            if src >= 0:
+                k_staged[n] = k_words[src, e % row_words]
+                v_staged[n] = v_words[src, e % row_words]
+            else:
+                k_staged[n] = 0
+                v_staged[n] = 0
+        for n in range(words_per_thread):
+            e = t + n * threads
+            if e < tile_words:
+                k_tile[e // row_words, e % row_words] = k_staged[n]
+                v_tile[e // row_words, e % row_words] = v_staged[n]
+
+    return resolve_rows, copy_rows

@@ -1,0 +1,162 @@
+"""The dense microkernel over gathered tiles: FlashAttention's online softmax, in the compute precision.
+
+Matches :func:`bsrattn.reference.microkernel.attend` (and ``attend_range``): the same scores, variant and
+masks, the same ``(o, lse)`` with masked rows at ``o = 0, lse = -inf``. What differs is the order of work:
+the reference sees all keys at once; here keys arrive one shared-memory tile at a time, so each query keeps
+a running state and corrects it as larger scores appear::
+
+    m_new = max(m, max_j s_j)                  running max
+    alpha = exp(m - m_new)                     how much the old state shrinks
+    p_j   = exp(s_j - m_new)
+    l     = alpha * l + sum_j p_j              running sum
+    acc   = alpha * acc + sum_j p_j v_j        rescaled accumulator
+    (end) o = acc / l,  lse = m + log(l)
+
+A block holds ``nq`` queries at a time: ``tile_rows`` query rows times the ``G`` query heads of its KV head
+(query ``i`` is row ``i // G``, head ``kv_head * G + i % G``), so GQA's heads share every K/V tile the block
+loads. Work is spread over threads by flat index: (query, key) pairs for scores and probabilities,
+(query, d) pairs for the accumulator, one thread per query for the running sum. Arithmetic is float32
+(float64 for float64 inputs); fp16/bf16/fp8 elements are decoded as they are read.
+
+FlashSigmoid (``Variant.sigmoid_bias``) skips the softmax: ``p_j = sigmoid(s_j + bias)`` and ``acc`` only adds.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+from bsrattn import indexing
+from bsrattn.numba_cuda.formats import decoder, encoder
+from bsrattn.numba_cuda.launch import device
+
+query_position = device(indexing.query_position)
+key_visible = device(indexing.key_visible)
+mask_offset = device(indexing.mask_offset)
+
+
+def make_microkernel(cfg):
+    """The microkernel's device functions for one kernel configuration (see ``executor.Config``)."""
+    compute, threads, tile_kv, head_dim, group = cfg.compute, cfg.num_threads, cfg.tile_kv, cfg.head_dim, cfg.group
+    acc_per_thread = cfg.acc_per_thread
+    causal, soft_cap, alibi, sigmoid, custom_mask = (cfg.causal, cfg.soft_cap, cfg.alibi, cfg.sigmoid,
+                                                     cfg.custom_mask)
+    decode_q, decode_kv = decoder(cfg.q_format, compute), decoder(cfg.kv_format, compute)
+    encode_out = encoder(cfg.q_format)
+    neg_inf, zero, one = compute(-math.inf), compute(0.0), compute(1.0)
+
+    @device
+    def load_queries(t, q_tile, m_run, l_run, acc, q, q_row0, nq, kv_head):
+        """``q_tile [max_nq, D]`` (shared) <- the block's queries, decoded; reset the running state."""
+        for e in range(t, nq * head_dim, threads):
+            i, d = e // head_dim, e % head_dim
+            q_tile[i, d] = decode_q(q[q_row0 + i // group, kv_head * group + i % group, d])
+        for i in range(t, nq, threads):
+            m_run[i] = neg_inf
+            l_run[i] = zero
+        for n in range(acc_per_thread):
+            acc[n] = zero
+
+    @device
+    def scores(t, s_tile, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len, kv_head, score_scale,
+               window_left, cap, alibi_slopes, mask_start, mask):
+        """``s_tile [max_nq, tile_kv]`` (shared) <- transformed scores, ``-inf`` where masked.
+
+        ``k_el [tile_kv, >= D]`` is the gathered K tile; ``alibi_slopes [Hq]``; ``mask`` the flat custom mask.
+        """
+        for e in range(t, nq * tile_kv, threads):
+            i, j = e // tile_kv, e % tile_kv
+            k_pos = kv0 + j
+            local_q = q_row0 + i // group - row_q_start
+            q_pos = query_position(qo_len, kv_len, local_q)
+            visible = k_pos < kv_end and key_visible(q_pos, k_pos, causal, window_left)
+            if custom_mask and visible:
+                visible = mask[mask_offset(mask_start, kv_len, local_q, k_pos)]
+            s = neg_inf
+            if visible:
+                dot = zero
+                for d in range(head_dim):
+                    dot += q_tile[i, d] * decode_kv(k_el[j, d])
+                s = dot * score_scale
+                if soft_cap:
+                    s = cap * math.tanh(s / cap)
+                if alibi:
+                    s += compute(alibi_slopes[kv_head * group + i % group]) * compute(k_pos - q_pos)
+            s_tile[i, j] = s
+
+    @device
+    def probabilities(t, s_tile, p_tile, m_run, m_next, alpha, nq, sigmoid_bias):
+        """``p_tile [max_nq, tile_kv]`` (shared) <- the weights, one thread per (query, key): ``exp(s - m_new)``.
+
+        Each thread recomputes its query's ``m_new = max(m, max_j s_j)`` from the row of scores (a broadcast
+        read) rather than waiting on a separate max pass and its barrier. The key-0 thread of each query records
+        ``m_next [max_nq]`` and ``alpha [max_nq] = exp(m - m_new)``. A query that has seen no visible key yet
+        (``m_new = -inf``) gets all weights 0 and ``alpha`` 0. FlashSigmoid: ``sigmoid(s + bias)``, 0 if masked.
+        """
+        for e in range(t, nq * tile_kv, threads):
+            i, j = e // tile_kv, e % tile_kv
+            s = s_tile[i, j]
+            if sigmoid:
+                p_tile[i, j] = one / (one + math.exp(-(s + sigmoid_bias))) if s != neg_inf else zero
+            else:
+                m_new = m_run[i]
+                for jj in range(tile_kv):
+                    m_new = max(m_new, s_tile[i, jj])
+                m_safe = m_new if m_new != neg_inf else zero
+                p_tile[i, j] = math.exp(s - m_safe)
+                if j == 0:
+                    m_next[i] = m_new
+                    alpha[i] = math.exp(m_run[i] - m_safe)
+
+    @device
+    def accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, v_el, nq):
+        """``acc = alpha * acc + P @ V`` per (query, d) and, one thread per query, ``l = alpha * l + sum_j p_j``
+        and ``m = m_new``. (Sigmoid: ``p_tile`` holds the weights and nothing is rescaled.)"""
+        if not sigmoid:
+            for i in range(t, nq, threads):
+                total = l_run[i] * alpha[i]
+                for j in range(tile_kv):
+                    total += p_tile[i, j]
+                l_run[i] = total
+                m_run[i] = m_next[i]
+        for n in range(acc_per_thread):
+            e = t + n * threads
+            i, d = e // head_dim, e % head_dim
+            if i < nq:
+                a = acc[n] if sigmoid else acc[n] * alpha[i]
+                for j in range(tile_kv):
+                    a += p_tile[i, j] * decode_kv(v_el[j, d])
+                acc[n] = a
+
+    @device
+    def finish(t, acc, m_run, l_run, nq, q_row0, kv_head, v_scale, out, lse, item_q0, part_o, part_lse, part_row0):
+        """Write the state: ``o = acc / l``, ``lse = m + log l`` (0 and -inf for a query that saw no key).
+
+        An unsplit item (``part_row0 < 0``) writes ``out [nnz_qo, Hq, D]`` and ``lse [nnz_qo, Hq]`` directly; a
+        split item writes its partial state, unencoded, into ``part_o [P, Hq, D]`` and ``part_lse [P, Hq]``,
+        query row ``item_q0 + x`` of the item at workspace row ``part_row0 + x``.
+        """
+        for n in range(acc_per_thread):
+            e = t + n * threads
+            i, d = e // head_dim, e % head_dim
+            if i < nq:
+                if sigmoid:
+                    o = acc[n] * v_scale
+                else:
+                    o = acc[n] / l_run[i] * v_scale if l_run[i] > zero else zero
+                row, head = q_row0 + i // group, kv_head * group + i % group
+                if part_row0 < 0:
+                    out[row, head, d] = encode_out(o)
+                else:
+                    part_o[part_row0 + row - item_q0, head, d] = o
+        if not sigmoid:
+            for i in range(t, nq, threads):
+                s = m_run[i] + math.log(l_run[i]) if l_run[i] > zero else neg_inf
+                row, head = q_row0 + i // group, kv_head * group + i % group
+                if part_row0 < 0:
+                    lse[row, head] = s
+                else:
+                    part_lse[part_row0 + row - item_q0, head] = s
+
+    return load_queries, scores, probabilities, accumulate, finish
+
