@@ -185,32 +185,34 @@ def _tiny_merge(dtype):
     flashinfer().merge_state_in_place(o, s, o.clone(), s.clone())
 
 
-def prebuild_steps(quick: bool):
-    """``(name, fn)`` per FlashInfer JIT module the suite uses, in the order the workloads need them."""
+def prebuild_steps(quick: bool, workloads=("w1", "w2", "w3", "w4", "w5", "w6")):
+    """``(name, fn)`` per FlashInfer JIT module the selected workloads use, in the order they need them."""
     import torch
 
     f16, bf16, e4m3 = torch.float16, torch.bfloat16, torch.float8_e4m3fn
-    steps = [("decode fp16 (CUDA-core)", lambda: _tiny_decode(f16, f16, False)),
-             ("decode fp16 (tensor-core: fa2 prefill fp16)", lambda: _tiny_decode(f16, f16, True)),
-             ("decode fp16 q / fp8-e4m3 KV (CUDA-core)", lambda: _tiny_decode(f16, e4m3, False)),
-             ("merge_state_in_place fp16", lambda: _tiny_merge(f16)),
-             ("ragged prefill bf16 fa2", lambda: _tiny_ragged(bf16, "fa2")),
-             ("ragged prefill bf16 fa3", lambda: _tiny_ragged(bf16, "fa3"))]
-    if not quick:
-        steps += [("decode bf16 (CUDA-core)", lambda: _tiny_decode(bf16, bf16, False)),
-                  ("cascade as shipped fp16", lambda: _tiny_cascade_shipped(f16)),
-                  ("decode fp16 q / fp8-e4m3 KV (tensor-core)", lambda: _tiny_decode(f16, e4m3, True))]
-    return steps
+    # (name, workloads that use it, needed by a --quick run, build)
+    steps = [("decode fp16 (CUDA-core)", "w1 w2 w4 w5 w6", True, lambda: _tiny_decode(f16, f16, False)),
+             ("decode fp16 (tensor-core: fa2 prefill fp16)", "w2 w4 w5 w6", True, lambda: _tiny_decode(f16, f16, True)),
+             ("decode fp16 q / fp8-e4m3 KV (CUDA-core)", "w2", True, lambda: _tiny_decode(f16, e4m3, False)),
+             ("merge_state_in_place fp16", "w5", True, lambda: _tiny_merge(f16)),
+             ("ragged prefill bf16 fa2", "w3", True, lambda: _tiny_ragged(bf16, "fa2")),
+             ("ragged prefill bf16 fa3", "w3", True, lambda: _tiny_ragged(bf16, "fa3")),
+             ("decode bf16 (CUDA-core)", "w2", False, lambda: _tiny_decode(bf16, bf16, False)),
+             ("decode bf16 (tensor-core: fa2 prefill bf16)", "w2", False, lambda: _tiny_decode(bf16, bf16, True)),
+             ("cascade as shipped fp16 (fa3)", "w5", False, lambda: _tiny_cascade_shipped(f16)),
+             ("decode fp16 q / fp8-e4m3 KV (tensor-core)", "w2", False, lambda: _tiny_decode(f16, e4m3, True))]
+    return [(name, fn) for name, users, in_quick, fn in steps
+            if (in_quick or not quick) and set(users.split()) & set(workloads)]
 
 
-def prebuild(quick: bool) -> int:
+def prebuild(quick: bool, workloads) -> int:
     """Build every module; report each one's time or failure; never raise (failures show up again later)."""
     try:
         flashinfer()
     except Unavailable as exc:
         print(f"prebuild: {exc}", flush=True)
         return 0
-    for name, step in prebuild_steps(quick):
+    for name, step in prebuild_steps(quick, workloads):
         t0 = time.time()
         try:
             step()
@@ -226,8 +228,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Build FlashInfer's JIT modules that the benchmark suite uses.")
     p.add_argument("command", choices=["prebuild"])
     p.add_argument("--quick", action="store_true", help="only the modules the --quick suite uses")
+    p.add_argument("--workloads", default="w1,w2,w3,w4,w5,w6", help="comma-separated workloads to build for")
     args = p.parse_args(argv)
-    return prebuild(args.quick)
+    return prebuild(args.quick, [w.strip() for w in args.workloads.split(",")])
 
 
 if __name__ == "__main__":

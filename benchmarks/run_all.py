@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,11 +35,13 @@ HERE = Path(__file__).resolve().parent
 WORKLOADS = {"w1": "w1_quest_decode", "w2": "w2_paged_decode", "w3": "w3_prefill", "w4": "w4_split_kv",
              "w5": "w5_cascade", "w6": "w6_plan_host", "w7": "w7_cpu_models"}
 CPU_ONLY = {"w7"}
-QUICK_BUDGET_S = {"w1": 90, "w2": 100, "w3": 70, "w4": 40, "w5": 50, "w6": 25, "w7": 20}
-"""Seconds after which a --quick workload starts no new configuration (sum 395 s; startup, ceilings and the
-configuration in flight come on top: the whole --quick run is planned for under 8 minutes)."""
-GRACE_S = 150
-"""A workload still running this long after its budget is killed (its JSON keeps what it had measured)."""
+QUICK_BUDGET_S = {"w1": 110, "w2": 95, "w3": 75, "w4": 35, "w5": 45, "w6": 25, "w7": 15}
+"""Shares of a --quick run, in seconds (400 together). Workload i may start configurations until the sum of the
+shares up to and including its own has passed since the suite began: time one workload leaves unused goes to the
+next, an overrun comes out of the next."""
+GRACE_S = 90
+"""A workload still running this long after its deadline is killed (its JSON keeps what it had measured), so a
+--quick run ends within the total + GRACE_S + plotting: under 9 minutes."""
 
 
 def _has_gpu() -> bool:
@@ -48,36 +52,43 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _start_prebuild(quick: bool, log):
+def _start_prebuild(quick: bool, workloads, log):
     """FlashInfer's JIT builds in a separate process, fewer compile jobs than cores (the suite needs some)."""
     if importlib.util.find_spec("flashinfer") is None:
         return None
     env = dict(os.environ)
     env.setdefault("MAX_JOBS", str(max(1, (os.cpu_count() or 2) - 6)))
-    cmd = [sys.executable, str(HERE / "baselines.py"), "prebuild"] + (["--quick"] if quick else [])
+    cmd = [sys.executable, str(HERE / "baselines.py"), "prebuild", "--workloads", ",".join(workloads)]
+    cmd += ["--quick"] if quick else []
     # Its own process group, so the compilers it spawns end with it.
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _budgets(selected, quick: bool, total):
-    """Seconds per workload: the --quick shares, scaled to ``total`` when given; None means no budget."""
+def _deadlines(selected, quick: bool, total, start: float):
+    """Wall-clock deadline per workload: the cumulative --quick shares, scaled to ``total`` when given; None
+    (no deadline) for a full run without ``total``."""
     if not quick and total is None:
         return {w: None for w in selected}
     shares = {w: QUICK_BUDGET_S[w] for w in selected}
     scale = total / sum(shares.values()) if total else 1.0
-    return {w: shares[w] * scale for w in selected}
+    ends = np.cumsum([shares[w] * scale for w in selected])
+    return {w: start + float(end) for w, end in zip(selected, ends)}
 
 
-def run_workload(key, *, quick, budget, results, passthrough) -> dict:
+def run_workload(key, *, quick, deadline, results, passthrough) -> dict:
     """Run one workload script in its own process; returns ``{workload, returncode, seconds}``."""
     cmd = [sys.executable, str(HERE / f"{WORKLOADS[key]}.py"), "--results", str(results)] + passthrough
     if quick:
         cmd.append("--quick")
-    if budget is not None:
+    timeout = None
+    if deadline is not None:
+        # Even past its deadline a workload starts its first configuration, so each one reports something.
+        budget = max(deadline - time.time(), 1.0)
         cmd += ["--time-budget", f"{budget:.0f}"]
+        timeout = budget + GRACE_S
     t0 = time.time()
     try:
-        rc = subprocess.run(cmd, timeout=None if budget is None else budget + GRACE_S).returncode
+        rc = subprocess.run(cmd, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     return {"workload": WORKLOADS[key], "returncode": rc, "seconds": round(time.time() - t0, 1)}
@@ -88,7 +99,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="few configurations per workload (fits a short GPU lease)")
     p.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads, e.g. w1,w3 (default all)")
     p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds for all selected workloads together (split in the --quick proportions)")
+                   help="seconds for all selected workloads together, split in the --quick proportions "
+                        "(default for --quick: their sum, 400 s; none for a full run)")
     p.add_argument("--results", type=Path, default=harness.RESULTS_DIR)
     p.add_argument("--samples", type=int, default=None, help="timed samples per mode (default 300, quick 100)")
     p.add_argument("--impls", default=None, help="comma-separated glob patterns of implementations to run")
@@ -109,15 +121,15 @@ def main(argv=None) -> int:
         passthrough += ["--samples", str(args.samples)]
     if args.impls:
         passthrough += ["--impls", args.impls]
-    budgets = _budgets(selected, args.quick, args.time_budget)
+    deadlines = _deadlines(selected, args.quick, args.time_budget, time.time())
     log = tempfile.NamedTemporaryFile("w+", prefix="flashinfer_prebuild_", suffix=".log", delete=False)
-    prebuild = None if args.no_prebuild or not has_gpu else _start_prebuild(args.quick, log)
+    prebuild = None if args.no_prebuild or not has_gpu else _start_prebuild(args.quick, gpu_needed, log)
     outcomes = []
     bar = harness.Progress(len(selected), "suite")
     try:
         for key in selected:
             bar.note(WORKLOADS[key])
-            outcomes.append(run_workload(key, quick=args.quick, budget=budgets[key], results=args.results,
+            outcomes.append(run_workload(key, quick=args.quick, deadline=deadlines[key], results=args.results,
                                          passthrough=passthrough))
             bar.update(f"{WORKLOADS[key]} {outcomes[-1]['seconds']:.0f} s")
     finally:
@@ -131,7 +143,13 @@ def main(argv=None) -> int:
     os.unlink(log.name)
     if prebuild_log:
         print("FlashInfer prebuild:\n" + prebuild_log)
-    drawn = [] if args.no_plots else plots.draw_all(args.results)
+    drawn = []
+    if not args.no_plots:
+        try:
+            drawn = plots.draw_all(args.results)
+        except Exception as exc:  # the JSON is what matters; figures can be redrawn anywhere from it
+            print(f"plots failed ({type(exc).__name__}: {exc}); redraw with python3 benchmarks/plots.py",
+                  file=sys.stderr)
     summary = report.write_summary(args.results)
     for o in outcomes:
         print(f"{o['workload']:18} rc={o['returncode']!s:8} {o['seconds']:7.1f} s")

@@ -280,12 +280,13 @@ def test_plots_survive_records_without_times(tmp_path):
         assert plots.draw(empty, tmp_path / f"{name}.png").stat().st_size > 0
 
 
-def test_run_all_budgets_and_selection(capsys):
-    quick = run_all._budgets(["w1", "w7"], True, None)
-    assert quick == {"w1": run_all.QUICK_BUDGET_S["w1"], "w7": run_all.QUICK_BUDGET_S["w7"]}
-    scaled = run_all._budgets(["w1", "w2"], True, 95.0)
-    assert sum(scaled.values()) == pytest.approx(95.0) and scaled["w2"] > scaled["w1"]
-    assert run_all._budgets(["w3"], False, None) == {"w3": None}
+def test_run_all_deadlines_and_selection(capsys):
+    quick = run_all._deadlines(["w1", "w7"], True, None, 1000.0)
+    assert quick == {"w1": 1000.0 + run_all.QUICK_BUDGET_S["w1"],
+                     "w7": 1000.0 + run_all.QUICK_BUDGET_S["w1"] + run_all.QUICK_BUDGET_S["w7"]}
+    scaled = run_all._deadlines(["w1", "w2"], True, 95.0, 0.0)
+    assert scaled["w2"] == pytest.approx(95.0) and 0 < scaled["w1"] < scaled["w2"]
+    assert run_all._deadlines(["w3"], False, None, 0.0) == {"w3": None}
     with pytest.raises(SystemExit):
         run_all.main(["--only", "w9"])
     assert "unknown workloads ['w9']" in capsys.readouterr().err
