@@ -233,17 +233,20 @@ def sample_rows(layout, num_kv_heads: int, head_dim: int, *, causal: bool = Fals
                 max_elements: int = CHECK_ELEMENTS) -> np.ndarray:
     """Query rows to check: spread over the batch (first, last, then evenly between), within a host budget.
 
-    Rows are added while their visible KV (``slots x num_kv_heads x head_dim`` elements) fits in
-    ``max_elements``; the first row is always kept.
+    Rows are added while the distinct KV slots they see (``x num_kv_heads x head_dim`` elements; a slot two
+    rows share, such as a shared prefix, counts once) fit in ``max_elements``; the first row is always kept.
     """
     n = layout.nnz_qo
     spread = np.unique(np.linspace(0, n - 1, min(max_rows, n)).round().astype(np.int64))
     order = [int(spread[0])] + ([int(spread[-1])] if spread.size > 1 else []) + [int(i) for i in spread[1:-1]]
+    seen = np.zeros(layout.num_slots, dtype=bool)
     rows, used = [], 0
     for i in order:
-        cost = visible_slots(layout, i, causal).size * num_kv_heads * head_dim
+        slots = visible_slots(layout, i, causal)
+        cost = int(np.count_nonzero(~seen[slots])) * num_kv_heads * head_dim
         if rows and used + cost > max_elements:
             continue
+        seen[slots] = True
         rows.append(i)
         used += cost
     return np.array(sorted(rows), dtype=np.int64)
@@ -293,11 +296,12 @@ def reference_rows(layout, q, k, v, rows, *, kv_layout: str = "NHD", causal: boo
     rows : ``[n]`` query row indices
     """
     lists = [visible_slots(layout, int(i), causal) for i in rows]
-    slots = np.concatenate(lists) if lists else np.zeros(0, np.int64)
+    # Each distinct slot is gathered once (rows of a shared prefix or of one causal request overlap).
+    slots, position = np.unique(np.concatenate(lists) if lists else np.zeros(0, np.int64), return_inverse=True)
     k_rows = _float64(_take_slots(k, kv_layout, layout.block_size, slots), k_scale)
     v_rows = _float64(_take_slots(v, kv_layout, layout.block_size, slots), v_scale)
     offsets = np.concatenate([[0], np.cumsum([s.size for s in lists])])
-    sub = ba.layouts.vector_sparse([np.arange(offsets[j], offsets[j + 1]) for j in range(len(lists))],
+    sub = ba.layouts.vector_sparse([position[offsets[j]:offsets[j + 1]] for j in range(len(lists))],
                                    np.ones(len(lists), dtype=np.int64), num_slots=int(slots.size))
     q_rows = _float64(q[_index(q, np.asarray(rows, dtype=np.int64))])
     return ba.attention(q_rows, k_rows, v_rows, sub, backend="reference")

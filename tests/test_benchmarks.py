@@ -114,6 +114,11 @@ def test_sample_rows_spread_within_the_budget():
     tight = harness.sample_rows(layout, 2, 8, max_rows=10, max_elements=3 * 64 * 2 * 8)
     assert tight.tolist() == [0, 11, 99]
     assert harness.sample_rows(layout, 2, 8, max_elements=1).tolist() == [0]
+    # A shared prefix is counted once: 64 requests over one 1000-slot prefix plus 10 slots each fit together.
+    shared = ba.layouts.vector_sparse([np.r_[np.arange(1000), 1000 + 10 * b + np.arange(10)] for b in range(64)],
+                                      np.ones(64, dtype=np.int64), num_slots=1640)
+    assert len(harness.sample_rows(shared, 1, 1, max_rows=64, max_elements=1640)) == 64
+    assert len(harness.sample_rows(shared, 1, 1, max_rows=64, max_elements=1100)) == 10
 
 
 def _gate_problem():
