@@ -159,23 +159,32 @@ def _event_times_us(run, n):
     return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
 
 
-def measure_ceilings(reps: int = 20) -> dict:
-    """The two ceilings, measured here: device-to-device copy (bytes read + written) and bf16 GEMM 8192^3."""
+def _copy_us(reps: int) -> float:
     import torch
 
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    copy_us = float(np.median(_event_times_us(lambda: dst.copy_(src), reps)))
-    del src, dst
-    n = 8192
+    return float(np.median(_event_times_us(lambda: dst.copy_(src), reps)))
+
+
+def _gemm_us(n: int, reps: int) -> float:
+    import torch
+
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
         a @ b
-    gemm_us = float(np.median(_event_times_us(lambda: a @ b, reps)))
-    del a, b
+    return float(np.median(_event_times_us(lambda: a @ b, reps)))
+
+
+def measure_ceilings(reps: int = 20) -> dict:
+    """The two ceilings, measured here: device-to-device copy (bytes read + written) and bf16 GEMM 8192^3."""
+    import torch
+
+    n = 8192
+    copy_us, gemm_us = _copy_us(reps), _gemm_us(n, reps)
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": 2 * (1 << 30) / (copy_us * 1e-6), "copy_us": copy_us, "copy_bytes": 2 * (1 << 30),
             "gemm_flops_per_s": 2 * n**3 / (gemm_us * 1e-6), "gemm_us": gemm_us, "gemm_shape": [n, n, n],

@@ -148,8 +148,6 @@ def table_w4(payload) -> list:
 
 
 def table_w5(payload) -> list:
-    table = Table(payload["records"])
-
     def library_speedup(prefix):
         def fn(tab, row):
             recs = tab.rows[row]
