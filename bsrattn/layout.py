@@ -82,6 +82,9 @@ class BSRLayout:
     num_blocks: int
     custom_mask: np.ndarray | None = None  # [sum_r qo_len[r] * kv_len[r]] bool
     _mask_indptr: np.ndarray = field(init=False, repr=False)
+    # A plain int, so that code traced by torch.compile (run-time shape checks) sees a constant, not a
+    # value read out of a NumPy array.
+    _nnz_qo: int = field(init=False, repr=False)
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -121,6 +124,7 @@ class BSRLayout:
         np.cumsum(self.qo_lens.astype(np.int64) * self.kv_lens, out=mask_indptr[1:])
         mask_indptr.flags.writeable = False
         set_(self, "_mask_indptr", mask_indptr)
+        set_(self, "_nnz_qo", int(self.qo_indptr[-1]))
         if self.custom_mask is not None:
             mask = np.asarray(self.custom_mask)
             if mask.dtype != bool:
@@ -140,7 +144,7 @@ class BSRLayout:
     @property
     def nnz_qo(self) -> int:
         """Query rows in total (the leading dimension of ``q``)."""
-        return int(self.qo_indptr[-1])
+        return self._nnz_qo
 
     @property
     def num_slots(self) -> int:
