@@ -491,23 +491,25 @@ class Suite:
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.time() > self.deadline
 
-    def configs(self, items, label=str):
-        """Yield configurations with a progress bar; write the JSON after each; past the time budget, record the
-        rest as skipped (the first one always runs, so every workload reports something)."""
+    def configs(self, items, config_of):
+        """Yield ``(item, config)`` per item, ``config = config_of(item)`` being its record's configuration, with a
+        progress bar; write the JSON after each; past the time budget, record the rest as skipped (the first one
+        always runs, so every workload reports something)."""
         items = list(items)
         bar = Progress(len(items), self.workload)
         try:
-            for i, config in enumerate(items):
+            for i, item in enumerate(items):
+                config = config_of(item)
                 if i and self.out_of_time():
                     self.records.append({"config": config, "impl": "*", "status": "skipped",
                                          "reason": "time budget spent before this configuration started"})
-                    bar.update(f"{label(config)}: skipped (time budget)")
+                    bar.update(f"{config_label(config)}: skipped (time budget)")
                     continue
                 self._bar = bar
-                yield config
+                yield item, config
                 self.release(collect=True)
                 self.write()
-                bar.update(label(config))
+                bar.update(config_label(config))
         finally:
             bar.close()
 

@@ -178,9 +178,8 @@ def run(suite) -> None:
     shape = DRY_SHAPE if suite.dry_run else GPU_SHAPE
     items = DRY_CONFIGS if suite.dry_run else configs(suite.quick)
     tiers = ("reference",) if suite.dry_run else ("torch", "numba")
-    for seq_len, budget in suite.configs(items, label=lambda c: f"seq {c[0]} budget {c[1]}"):
+    for (seq_len, budget), config in suite.configs(items, lambda c: {"seq_len": c[0], "budget": c[1]}):
         case = make_case(suite, seq_len, budget, shape)
-        config = {"seq_len": seq_len, "budget": budget}
         common = dict(shape=(shape.heads, 1, shape.head_dim), rows=case.rows, expected=case.expected,
                       dtype="float16", bytes_needed=case.bytes_needed)
         plan = dict(num_qo_heads=1, num_kv_heads=1, head_dim=shape.head_dim, q_dtype="float16", kv_dtype="float16")

@@ -219,9 +219,9 @@ def measure_bsrattn(suite, config, case, tier, name=None, **plan_extra):
 def run(suite) -> None:
     shape = DRY_SHAPE if suite.dry_run else GPU_SHAPE
     items = DRY_CONFIGS if suite.dry_run else configs(suite.quick)
-    for kv_dtype, batch, kv in suite.configs(items, label=lambda c: f"{c[0]} {c[1]}x{c[2]}"):
+    for (kv_dtype, batch, kv), config in suite.configs(
+            items, lambda c: {"dtype": c[0], "batch": c[1], "kv_len": c[2]}):
         case = make_case(suite, shape, kv_dtype, kv_lengths(suite.rng, batch, kv))
-        config = {"dtype": kv_dtype, "batch": batch, "kv_len": kv}
         fp8 = kv_dtype.startswith("float8")
         if suite.dry_run:
             measure_bsrattn(suite, config, case, "reference")

@@ -192,9 +192,8 @@ def _sdpa_view(case):
 def run(suite) -> None:
     shape = DRY_SHAPE if suite.dry_run else GPU_SHAPE
     items = DRY_CONFIGS if suite.dry_run else configs(suite.quick)
-    for spec, kv_layout in suite.configs(items, label=lambda c: f"{label(c[0])} {c[1]}"):
+    for (spec, kv_layout), config in suite.configs(items, lambda c: {"lengths": label(c[0]), "kv_layout": c[1]}):
         case = make_case(suite, shape, lengths(suite.rng, spec), kv_layout)
-        config = {"lengths": label(spec), "kv_layout": kv_layout}
         plan = dict(num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                     variant=ba.Variant(causal=True), q_dtype=shape.dtype, kv_dtype=shape.dtype)
         tier = "reference" if suite.dry_run else "torch"

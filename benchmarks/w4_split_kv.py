@@ -41,9 +41,8 @@ def run(suite) -> None:
     shape = DRY_SHAPE if suite.dry_run else GPU_SHAPE
     kv = "U(16,64)" if suite.dry_run else KV
     items = (1, 3) if suite.dry_run else (QUICK if suite.quick else BATCHES)
-    for batch in suite.configs(items, label=lambda b: f"batch {b}"):
+    for batch, config in suite.configs(items, lambda b: {"batch": b, "kv_len": kv}):
         case = make_case(suite, shape, "float16", kv_lengths(suite.rng, batch, kv))
-        config = {"batch": batch, "kv_len": kv}
         tier = "reference" if suite.dry_run else "torch"
         measure_bsrattn(suite, config, case, tier)
         measure_bsrattn(suite, config, case, tier, name=f"bsrattn-{tier}-no-split", disable_split_kv=True)

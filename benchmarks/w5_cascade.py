@@ -139,9 +139,9 @@ def run(suite) -> None:
     items = DRY_CONFIGS if suite.dry_run else configs(suite.quick)
     suffix = DRY_SUFFIX if suite.dry_run else SUFFIX
     tier = "reference" if suite.dry_run else "torch"
-    for prefix_len, batch in suite.configs(items, label=lambda c: f"prefix {c[0]} batch {c[1]}"):
+    for (prefix_len, batch), config in suite.configs(
+            items, lambda c: {"prefix_len": c[0], "batch": c[1], "suffix_len": suffix}):
         case = make_case(suite, shape, prefix_len, batch, suffix)
-        config = {"prefix_len": prefix_len, "batch": batch, "suffix_len": suffix}
         plan = dict(num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                     q_dtype="float16", kv_dtype="float16")
         for kind, layout in (("cascade", case.cascade), ("plain", case.plain)):

@@ -98,11 +98,10 @@ def run(suite) -> None:
     kv_len = 64 if suite.dry_run else KV_LEN
     items = (1, 8) if suite.dry_run else BATCHES
     tiers = ("reference",) if suite.dry_run else ("torch", "numba")
-    for batch in suite.configs(items, label=lambda b: f"batch {b}"):
+    for batch, config in suite.configs(items, lambda b: {"batch": b, "kv_len": kv_len}):
         tables = page_tables(suite.rng, batch, kv_len, shape.page_size)
         layout = ba.layouts.paged(np.ones(batch, dtype=np.int64), tables, np.full(batch, kv_len), shape.page_size,
                                   tables.size)
-        config = {"batch": batch, "kv_len": kv_len}
         for tier in tiers:
             suite.measure_host(config, f"bsrattn-{tier}", partial(build_bsrattn_plan, tier, layout, shape))
         suite.measure_host(config, "bsrattn-scheduler", partial(build_scheduler, layout, shape))

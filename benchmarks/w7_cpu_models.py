@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -71,24 +72,28 @@ def run(suite) -> None:
     seq_lens = (4096,) if suite.dry_run else ((4096, 32768) if suite.quick else SEQ_LENS)
     makespan = [("makespan", d, b) for d in ba.scheduler.DISTRIBUTIONS for b in BATCHES]
     amplification = [("read_amplification", s, b) for s in seq_lens for b in BUDGETS if b <= s // PAGE]
-    for item in suite.configs(makespan + amplification, label=lambda c: " ".join(map(str, c))):
+    for item, config in suite.configs(makespan + amplification, partial(_config, trials)):
         if item[0] == "makespan":
             _, dist, batch = item
             result = ba.scheduler.simulate(dist, batch, num_ctas=NUM_CTAS, trials=trials, seed=suite.args.seed)
-            suite.add({"config": {"table": "makespan", "distribution": dist, "batch": batch, "num_ctas": NUM_CTAS,
-                                  "trials": trials},
-                       "impl": "plan vs round_robin", "status": "ok", "median": result.median, "min": result.min,
-                       "max": result.max})
+            suite.add({"config": config, "impl": "plan vs round_robin", "status": "ok", "median": result.median,
+                       "min": result.min, "max": result.max})
             continue
         _, seq_len, budget = item
         layout = quest_layout(suite.rng, seq_len, budget)
         for block in KERNEL_BLOCKS:
             amp = layout.read_amplification(block)
-            suite.add({"config": {"table": "read_amplification", "seq_len": seq_len, "budget": budget,
-                                  "kernel_block_size": block, "heads": HEADS},
-                       "impl": f"block {block}", "status": "ok", "needed_slots": amp.needed, "read_slots": amp.read,
-                       "ratio": amp.ratio, "expected_ratio": expected_ratio(seq_len // PAGE, budget, PAGE, block),
+            suite.add({"config": {**config, "kernel_block_size": block}, "impl": f"block {block}", "status": "ok",
+                       "needed_slots": amp.needed, "read_slots": amp.read, "ratio": amp.ratio,
+                       "expected_ratio": expected_ratio(seq_len // PAGE, budget, PAGE, block),
                        "bytes_needed": amp.needed * HEAD_DIM * 2 * 2, "bytes_read": amp.read * HEAD_DIM * 2 * 2})
+
+
+def _config(trials, item) -> dict:
+    if item[0] == "makespan":
+        return {"table": "makespan", "distribution": item[1], "batch": item[2], "num_ctas": NUM_CTAS,
+                "trials": trials}
+    return {"table": "read_amplification", "seq_len": item[1], "budget": item[2], "heads": HEADS}
 
 
 def main(argv=None):

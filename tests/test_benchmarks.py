@@ -171,6 +171,19 @@ def test_the_poisoned_out_buffer_catches_a_stale_answer():
     assert rec["status"] == "incorrect"
 
 
+def test_configurations_past_the_budget_are_recorded_as_skipped(tmp_path):
+    args = harness.parser("t").parse_args(["--dry-run", "--results", str(tmp_path)])
+    suite = harness.Suite("w4_split_kv", "W4 (test)", args)
+    suite.deadline = suite.started - 1.0
+    for batch, config in suite.configs([1, 2, 3], lambda b: {"batch": b}):
+        suite.add(_rec(config, "bsrattn-torch", 5.0 * batch))
+    skipped = [r for r in suite.records if r["status"] == "skipped"]
+    assert [r["config"] for r in skipped] == [{"batch": 2}, {"batch": 3}] and {r["impl"] for r in skipped} == {"*"}
+    suite.write()
+    text = report.write_summary(tmp_path).read_text()
+    assert "| batch=1 | 5.0 |" in text and "| batch=3 | skipped |" in text
+
+
 def test_impls_filter_and_bound_and_stats():
     suite = _dry_suite(impls="sdpa*,flashinfer-*")
     assert suite.selected("sdpa-mask") and suite.selected("flashinfer-fa2") and not suite.selected("bsrattn-torch")
