@@ -4,13 +4,15 @@ Two shapes of work, one kernel:
 
 - **decode** (a handful of query rows per block row): the tile's M dimension is the GQA group's query heads
   times the query rows (``tile_q * group_size``), padded to 16 for ``tl.dot``. The kernel is
-  bandwidth-bound: the plan splits the KV so that every SM streams, and ``kv_align`` is the KV tile so that
-  chunks are whole tiles.
+  bandwidth-bound: the plan splits the KV so that every SM streams.
 - **prefill** (long query rows): ``BLOCK_M = 128`` query rows x heads amortise each KV tile over many
   queries; few or no splits.
 
 ``num_ctas`` is CTAs per KV head (the scheduler's unit): the launch is ``num_ctas x num_kv_heads``
-programs, a fixed number of waves of the GPU, read from the device's SM count.
+programs, a fixed number of waves of the GPU, read from the device's SM count. The split granularity
+follows from ``num_ctas`` alone (``min_split_size = kv_align = 1``): a caller who asks for few CTAs gets
+the fine splits Algorithm 1 gives, and chunk boundaries need not fall on KV tiles (a partial tile's
+masked slots are never fetched, so they cost no bandwidth).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ DECODE_ROWS = 64
 """A tile whose query rows x group heads fit in this many rows is run with the decode shapes."""
 
 CTAS_PER_SM = {"decode": 2, "prefill": 1}
-MIN_SPLIT_SIZE = {"decode": 128, "prefill": 512}
 INTERPRETER_SMS = 4
 """SMs the Triton interpreter pretends to have: few programs keep CI fast, and splits still happen."""
 
@@ -95,8 +96,8 @@ def plan_options(spec, device=None) -> dict:
     >>> from bsrattn.validation import make_spec
     >>> spec = make_spec(ba.layouts.ragged([1, 1], [300, 40]), 8, 2, 64)
     >>> opts = plan_options(spec)
-    >>> opts["tile_q"], opts["kv_align"]
-    (4, 64)
+    >>> opts["tile_q"], opts["min_split_size"], opts["kv_align"]
+    (4, 1, 1)
     """
     kind = kind_of(spec)
     if kind == "decode":
@@ -104,10 +105,8 @@ def plan_options(spec, device=None) -> dict:
         m = block_m(int(qo.max()) if qo.size else 1, spec.group_size)
     else:
         m = 64 if block_d(spec.head_dim) > 128 or spec.q_dtype == "float32" else 128
-    tile_q = max(1, m // spec.group_size)
-    t = tiles(block_m(tile_q, spec.group_size), spec.head_dim, spec.q_dtype or "float16")
     ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // spec.num_kv_heads)
-    return dict(num_ctas=ctas, tile_q=tile_q, min_split_size=MIN_SPLIT_SIZE[kind], kv_align=t.block_n)
+    return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=1, kv_align=1)
 
 
 KV_VIEWS = ("NHD", "HND", "NHD3")

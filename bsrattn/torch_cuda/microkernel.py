@@ -56,10 +56,12 @@ def visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_p
     """``[BLOCK_M, BLOCK_N]`` bool: which (query, key) pairs count — in range, position masks, custom mask."""
     vis = valid_m[:, None] & valid_n[None, :]
     if CAUSAL or HAS_WINDOW:
+        # `!= 0`: the interpreter can hand back key_visible's `tensor | python bool` as int32 data typed int1,
+        # which a load mask rejects; compiled, the comparison folds away.
         if HAS_WINDOW:
-            vis &= key_visible(q_pos[:, None], k_pos[None, :], CAUSAL, window_left)
+            vis &= key_visible(q_pos[:, None], k_pos[None, :], CAUSAL, window_left) != 0
         else:
-            vis &= key_visible(q_pos[:, None], k_pos[None, :], CAUSAL, -1)
+            vis &= key_visible(q_pos[:, None], k_pos[None, :], CAUSAL, -1) != 0
     if CUSTOM_MASK:
         bits = tl.load(mask_ptr + mask_offset(mask_start, kv_len, q_local[:, None], k_pos[None, :]), mask=vis, other=0)
         vis &= bits != 0
