@@ -124,7 +124,8 @@ def block_sparse(indptr, indices, M: int, N: int, R: int, C: int, mask=None) -> 
 
     Notes
     -----
-    ``k`` and ``v`` are ``[N, num_kv_heads, head_dim]``. Positions within a block row are its listed keys in
+    ``k`` and ``v`` are an ``[N, num_kv_heads, head_dim]`` buffer viewed as ``[N/C, C, num_kv_heads, head_dim]``
+    (3-D ``k``/``v`` are accepted for ``C == 1`` only). Positions within a block row are its listed keys in
     order, so position masks (causal) count the row's gathered keys, not matrix columns.
 
     Examples
