@@ -146,7 +146,8 @@ def raw_tensors(problem, dtype=np.float64, rng=None):
 
 
 def canonical_pool(case, x) -> np.ndarray:
-    """Raw ``k``/``v`` as ``[num_slots, Hkv, D]``, slot ``block * block_size + t``."""
+    """Raw ``k``/``v`` (``x``: the case's storage, see ``LayoutCase.kv_store``) as ``[num_slots, Hkv, D]``,
+    slot ``block * block_size + t``."""
     x = np.asarray(x, dtype=np.float64)
     if case.kv_store in ("HND", "quest"):
         x = x.transpose(0, 2, 1, 3)
@@ -154,7 +155,10 @@ def canonical_pool(case, x) -> np.ndarray:
 
 
 def call_inputs(case, q, k, v) -> tuple:
-    """The arguments ``(q, k, v, kv_layout)`` a caller passes to ``ba.attention`` for raw tensors."""
+    """The arguments ``(q, k, v, kv_layout)`` a caller passes to ``ba.attention`` for raw tensors.
+
+    ``q [n, Hq, D]`` and ``k, v`` in the case's storage, as :func:`raw_tensors` makes them.
+    """
     if case.kind == "quest":
         q, k, v = ba.layouts.per_head_views(q, k, v, case.num_kv_heads)
         return q, k, v, "NHD"
@@ -168,7 +172,8 @@ def call_inputs(case, q, k, v) -> tuple:
 
 
 def output_to_raw(case, out, lse=None, num_qo_heads=None):
-    """Undo Quest's per-head view of the output (``[B*Hkv, G, D] -> [B, Hq, D]``); identity otherwise."""
+    """Undo Quest's per-head view: ``out [B*Hkv, G, D] -> [B, Hq, D]``, ``lse [B*Hkv, G] -> [B, Hq]``;
+    identity otherwise."""
     if case.kind != "quest":
         return out, lse
     batch = len(case.raw["kv_lens"])
@@ -256,7 +261,7 @@ def reference_impl(q, k, v, layout, variant, kv_layout):
 
 
 def check_layout_attention(impl, problem):
-    """Raise AssertionError unless ``impl`` (``ba.attention``'s signature, returning ``(out, lse)``) equals
+    """Raise AssertionError unless ``impl(q, k, v, layout, variant, kv_layout) -> (out, lse)`` equals
     the naive attention computed from the raw inputs, at the float64 tolerance."""
     q, k, v = raw_tensors(problem)
     want_o, want_lse = naive_attention(problem, q, k, v)

@@ -63,7 +63,8 @@ def test_identical_lengths_give_an_identical_plan(lens, kwargs):
 
 @given(lengths(), st.integers(1, 16), st.integers(1, 16), st.integers(1, 32), st.sampled_from([1, 4, 16]))
 def test_chunk_size_is_algorithm_1s_l_kv(lens, num_ctas, tile_q, min_split, align):
-    """``L_kv = ceil(sum_r ceil(l_qo/T_q) * l_kv / num_ctas)``, at least ``min_split_size``, rounded up to ``kv_align``."""
+    """``L_kv = ceil(sum_r ceil(l_qo/T_q) * l_kv / num_ctas)``, at least ``min_split_size``, rounded up to
+    ``kv_align``."""
     qo, kv = lens
     total = sum(-(-q // tile_q) * k for q, k in zip(qo, kv))
     want = max(-(-total // num_ctas), min_split, 1)

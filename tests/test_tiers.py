@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import bsrattn as ba
 from bsrattn.testing import assert_close
-from helpers import call_inputs, output_to_raw, raw_tensors
+from helpers import call_inputs, raw_tensors
 from strategies import EDGE_CASES, LAYOUT_STRATEGIES, partial_states, problems
 
 TIERS = ("reference", "numba", "torch")

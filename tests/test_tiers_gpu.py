@@ -62,7 +62,8 @@ def _kv(rng, num_blocks, block_size, hkv=HKV, d=D):
 
 def _compare(tier, layout, q, k, v, dtype, *, variant=ba.Variant(), kv_layout="NHD", kv_dtype=None, scales=None,
              runner=None):
-    """Round the inputs through the dtypes, run the tier (``ba.attention`` or ``runner``), compare with the reference."""
+    """Round the inputs through the dtypes, run the tier (``ba.attention`` or ``runner``), compare with the
+    reference."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     scales = scales or {}
     if kv_dtype in FP8:
@@ -179,7 +180,8 @@ def test_tree_decoding(gpu_backend):
     tables, num_pages = _pages(rng, kv_lens)
     layout = ba.layouts.tree(parents, tables, kv_lens, PAGE, num_pages)
     k, v = _kv(rng, num_pages, PAGE)
-    _compare(gpu_backend, layout, rng.standard_normal((4 * 32, HQ, D)), k, v, "float16", variant=ba.Variant(causal=True))
+    q = rng.standard_normal((4 * 32, HQ, D))
+    _compare(gpu_backend, layout, q, k, v, "float16", variant=ba.Variant(causal=True))
 
 
 def test_shared_prefix_cascade(gpu_backend):
@@ -187,7 +189,8 @@ def test_shared_prefix_cascade(gpu_backend):
     suffix_lens = rng.integers(10, 500, 16)
     prefix_len = 2048
     tables, num_pages = _pages(rng, [prefix_len, *suffix_lens])
-    cascade = ba.layouts.shared_prefix(np.ones(16, int), tables[0], prefix_len, tables[1:], suffix_lens, PAGE, num_pages)
+    cascade = ba.layouts.shared_prefix(np.ones(16, int), tables[0], prefix_len, tables[1:], suffix_lens, PAGE,
+                                       num_pages)
     k, v = _kv(rng, num_pages, PAGE)
     _compare(gpu_backend, cascade, rng.standard_normal((16, HQ, D)), k, v, "float16", variant=ba.Variant(causal=True))
 

@@ -131,7 +131,8 @@ CASES = {
     "q rows do not match the layout": (
         lambda: attention(*arrays(nnz=5)), ValueError, r"q has shape \(5, 4, 8\), the plan expects .*=\(3, 4, 8\)"),
     "k of the wrong shape": (
-        lambda: attention(*arrays(pages=2)), ValueError, r"k has shape \(2, 4, 2, 8\), the plan expects \(3, 4, 2, 8\)"),
+        lambda: attention(*arrays(pages=2)), ValueError,
+        r"k has shape \(2, 4, 2, 8\), the plan expects \(3, 4, 2, 8\)"),
     "v differs from k": (
         lambda: attention(*_with(arrays(), 2, arrays()[2][:, :3])), ValueError, r"v has shape \(3, 3, 2, 8\)"),
     "head_dim of k differs from q": (
@@ -142,7 +143,8 @@ CASES = {
     "unknown kv_layout": (lambda: attention(*arrays(), kv_layout="NDH"), ValueError, r"kv_layout must be one of"),
     "layout not a BSRLayout": (
         lambda: attention(*arrays(), layout="paged"), TypeError, r"layout must be a BSRLayout or a Cascade, got str"),
-    "head ratio": (lambda: attention(*arrays(hq=3)), ValueError, r"num_qo_heads=3 must be a multiple of num_kv_heads=2"),
+    "head ratio": (lambda: attention(*arrays(hq=3)), ValueError,
+                   r"num_qo_heads=3 must be a multiple of num_kv_heads=2"),
     # ---- dtypes -----------------------------------------------------------------------------------------
     "integer q": (lambda: attention(*_with(arrays(), 0, arrays()[0].astype(np.int64))), TypeError,
                   r"q has dtype int64; supported"),
@@ -178,7 +180,8 @@ CASES = {
                                    r"num_qo_heads=6 must be a multiple of num_kv_heads=4"),
     "plan with head_dim 0": (lambda: ba.BatchAttention(backend=PROBE).plan(LAYOUT, 4, 2, 0), ValueError,
                              r"head_dim must be a positive int, got 0"),
-    "plan with an unsupported q_dtype": (lambda: planned(q_dtype="int8"), TypeError, r"q_dtype 'int8' is not supported"),
+    "plan with an unsupported q_dtype": (lambda: planned(q_dtype="int8"), TypeError,
+                                         r"q_dtype 'int8' is not supported"),
     "plan with num_ctas 0": (lambda: planned(num_ctas=0), ValueError, r"num_ctas must be a positive int, got 0"),
     "run q not matching plan": (lambda: planned().run(*arrays(nnz=4)), ValueError,
                                 r"q has shape \(4, 4, 8\), the plan expects"),
