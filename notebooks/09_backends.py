@@ -1,0 +1,266 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 9. Backends: one flag, three tiers, the same answers
+#
+# bsrattn runs the same API on three tiers:
+#
+# | tier | package | what it is |
+# |---|---|---|
+# | `reference` | `bsrattn/reference` | NumPy, float64: the spec |
+# | `numba` | `bsrattn/numba_cuda` | Numba CUDA kernels — the paper's kernel in Python syntax; on a CPU, Numba's CUDA simulator |
+# | `torch` | `bsrattn/torch_cuda` | Triton kernels on PyTorch tensors, custom ops, CUDA graphs; on a CPU, Triton's interpreter |
+#
+# One flag picks the tier, and the tiers are checked against each other. This notebook shows the flag, the
+# three tiers agreeing across variants, and then opens the numba tier's kernel and runs it one stage at a time
+# in the simulator — gather, microkernel, merge — comparing each stage with the reference function it must match.
+
+# %%
+import os
+import shutil
+
+# Without a GPU, the numba tier runs in Numba's CUDA simulator and the torch tier in Triton's interpreter.
+# Both read these variables when they are first imported, so they are set before anything imports them.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import bsrattn as ba
+import bsrattn.testing
+import tiers
+from bsrattn.validation import spec_from_inputs
+from pictures import draw_gantt
+
+# %% [markdown]
+# ## The idea: one flag
+#
+# Which tier a call uses, first match wins: its `backend=` argument; the innermost `with ba.use_backend(name):`;
+# `ba.set_backend(name)`; the environment variable `BSRATTN_BACKEND`; else `"reference"`. `"auto"` means the
+# torch tier when a CUDA GPU and Triton are present. Importing `bsrattn` imports no tier: each is imported the
+# first time a call asks for it.
+
+# %%
+print("default:                  ", ba.backends.current_backend_name())
+os.environ["BSRATTN_BACKEND"] = "numba"
+print("BSRATTN_BACKEND=numba:    ", ba.backends.current_backend_name())
+ba.set_backend("torch")
+print("set_backend('torch'):     ", ba.backends.current_backend_name())
+with ba.use_backend("reference"):
+    print("inside use_backend(...):  ", ba.backends.current_backend_name())
+ba.set_backend(None)
+del os.environ["BSRATTN_BACKEND"]
+print("'auto' resolves here to:  ", ba.get_backend("auto").name)
+try:
+    ba.get_backend("cuda")
+except ValueError as err:
+    print("an unknown name:          ", err)
+
+# %% [markdown]
+# ## The tiers agree, across variants
+#
+# A small paged batch with grouped-query attention (4 query heads over 2 KV heads), under five variants. Every
+# tier gets float32 inputs and is compared with the float64 reference, within the tolerance table.
+
+# %%
+rng = np.random.default_rng(0)
+layout = ba.layouts.paged(qo_lens=[2, 1], page_tables=[[3, 0, 5, 1, 4], [2, 6]], kv_lens=[19, 7], page_size=4,
+                          num_pages=7)
+num_qo_heads, num_kv_heads, head_dim = 4, 2, 8
+q = rng.standard_normal((layout.nnz_qo, num_qo_heads, head_dim))                       # [nnz_qo, Hq, D]
+k = rng.standard_normal((layout.num_blocks, layout.block_size, num_kv_heads, head_dim))  # [pages, Bc, Hkv, D]
+v = rng.standard_normal(k.shape)
+q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+variants = {
+    "causal": ba.Variant(causal=True),
+    "window 4 + soft cap": ba.Variant(causal=True, window_left=4, logits_soft_cap=3.0),
+    "ALiBi": ba.Variant(causal=True, alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
+    "FlashSigmoid": ba.Variant(sigmoid_bias=-1.0),
+}
+errors = {}
+for name in tiers.available():
+    for label, variant in variants.items():
+        expected = ba.attention(q, k, v, layout, variant=variant)
+        result = tiers.check(f"{name} {label}", ba.attention(q32, k32, v32, layout, variant=variant, backend=name),
+                             expected)
+        errors[name, label] = result.max_abs
+
+# %% [markdown]
+# ## A picture
+#
+# The worst error of each tier against the float64 reference, with the float32 tolerance. The reference's own
+# float32 error is the rounding of its inputs and output; the kernels add the rounding of their float32
+# accumulation in a different order.
+
+# %%
+atol, rtol = bsrattn.testing.tolerance("attention", "float32")
+names = tiers.available()
+fig, ax = plt.subplots(figsize=(9, 3))
+width = 0.8 / len(names)
+for i, name in enumerate(names):
+    ax.bar(np.arange(len(variants)) + i * width, [errors[name, label] for label in variants], width, label=name)
+ax.axhline(atol, color="C3", linestyle="--", label="float32 atol")
+ax.set_yscale("log")
+ax.set_xticks(np.arange(len(variants)) + width * (len(names) - 1) / 2, list(variants))
+ax.set_ylabel("max |out - float64 reference|")
+ax.set_title("float32 on every tier, against the float64 spec")
+ax.legend(fontsize=8, ncol=4)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## The reference, and the numba kernel stepped through
+#
+# The numba tier's files mirror the reference's, so each stage can be checked against the function it must
+# match:
+#
+# | stage | reference | numba tier |
+# |---|---|---|
+# | the load module | `reference/gather.py`: `row_slots`, `gather` | `numba_cuda/gather.py`: `resolve_rows`, `copy_rows` |
+# | the microkernel | `reference/microkernel.py`: `attend_range` | `numba_cuda/microkernel.py`: online softmax per tile |
+# | the plan, CTA by CTA | `reference/executor.py`: `execute` | `numba_cuda/executor.py`: the persistent kernel |
+# | ⊕ in plan order | `reference/merge.py`: `merge_state` | `numba_cuda/merge.py`: the merge kernel |
+#
+# In the simulator a kernel is ordinary Python run by one thread per CUDA thread, so it can be launched piece by
+# piece and its shared and device memory read back. First, the spec of the call — the shapes a plan fixes — and
+# the tier's plan for it: a grid of `num_ctas` CTAs per KV head.
+
+# %%
+numba_tier = ba.get_backend("numba")
+variant = variants["causal"]
+spec = spec_from_inputs(q32, k32, v32, layout, variant)
+options = numba_tier.plan_options(spec)
+work_plan = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, **options)
+runner = numba_tier.make_runner(spec, work_plan)
+print("plan options:", options)
+for w in range(work_plan.num_items):
+    cta = int(np.searchsorted(work_plan.cta_indptr, w, side="right")) - 1
+    print(f"item {w}: CTA {cta}, request {work_plan.item_row[w]}, queries {work_plan.item_qo_start[w]}:"
+          f"{work_plan.item_qo_end[w]}, KV {work_plan.item_kv_start[w]}:{work_plan.item_kv_end[w]}, "
+          f"partial row {work_plan.item_partial[w]}")
+fig, ax = plt.subplots(figsize=(8, 1.8))
+draw_gantt(ax, work_plan, f"the numba tier's plan: grid ({work_plan.num_ctas} CTAs x {num_kv_heads} KV heads);")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Stage 1, the gather.** One block gathers the first KV tile of request 0 for KV head 1: `resolve_rows` turns
+# logical slots into storage rows through the page table (the sparse path), `copy_rows` copies those rows into
+# shared memory. A tiny kernel written here runs just those two device functions and copies the shared tile out.
+
+# %%
+from numba import cuda
+
+from bsrattn.numba_cuda.gather import make_gather, rows_view
+from bsrattn.reference.gather import gather, kv_as_slots
+
+cfg = runner.config("float32", "float32", "NHD", word_size=4)
+resolve_rows, copy_rows = make_gather(cfg)
+TILE, STRIDE, ROW_WORDS, WORD, STAGED = cfg.tile_kv, cfg.row_stride, cfg.row_words, cfg.word, cfg.words_per_thread
+
+
+@cuda.jit
+def gather_one_tile(k_words, v_words, kv_indices, row_block_start, block_size, kv_head, kv0, kv_end, rows_out,
+                    k_out):
+    """rows_out [TILE]: storage row of each slot of the tile; k_out [TILE, ROW_WORDS]: the K tile as gathered."""
+    t = cuda.threadIdx.x
+    tile_rows = cuda.shared.array(TILE, np.int64)
+    k_tile = cuda.shared.array((TILE, STRIDE), WORD)
+    v_tile = cuda.shared.array((TILE, STRIDE), WORD)
+    k_staged = cuda.local.array(STAGED, WORD)
+    v_staged = cuda.local.array(STAGED, WORD)
+    resolve_rows(t, tile_rows, kv_indices, row_block_start, 0, block_size, num_kv_heads, kv_head, kv0, kv_end)
+    cuda.syncthreads()
+    copy_rows(t, k_staged, v_staged, k_tile, v_tile, k_words, v_words, tile_rows)
+    cuda.syncthreads()
+    for e in range(cuda.threadIdx.x, TILE * ROW_WORDS, cuda.blockDim.x):
+        k_out[e // ROW_WORDS, e % ROW_WORDS] = k_tile[e // ROW_WORDS, e % ROW_WORDS]
+    for j in range(cuda.threadIdx.x, TILE, cuda.blockDim.x):
+        rows_out[j] = tile_rows[j]
+
+
+kv_head, kv_end = 1, int(layout.kv_lens[0])
+k_dev, v_dev = cuda.to_device(k32), cuda.to_device(v32)
+rows_out = cuda.device_array(TILE, np.int64)
+k_out = cuda.device_array((TILE, ROW_WORDS), WORD)
+gather_one_tile[1, cfg.num_threads](rows_view(k_dev, head_dim, WORD), rows_view(v_dev, head_dim, WORD),
+                                    cuda.to_device(layout.kv_indices), int(layout.kv_indptr[0]), layout.block_size,
+                                    kv_head, 0, kv_end, rows_out, k_out)
+k_tile = k_out.copy_to_host().view(np.float32)                            # [TILE, head_dim]
+expected_tile = gather(kv_as_slots(k32, spec), layout, 0, 0, TILE)[:, kv_head]
+print("storage rows:", rows_out.copy_to_host(), " (pool slot * Hkv + head)")
+print("pool slots:  ", layout.kv_slots(0)[:TILE])
+print("gathered K tile == reference gather:", np.array_equal(k_tile, expected_tile.astype(np.float32)))
+
+# %% [markdown]
+# **Stages 2 and 3, the microkernel and the executor.** `runner.run` launches the persistent kernel on the grid
+# above: each block walks its CTA's items, gathers tile after tile and folds them into a running softmax state.
+# Items of a split request write a partial `(o, lse)` into their workspace rows; the merge kernel then folds
+# them in the plan's order. Read the workspace back and compare every partial state with the reference
+# microkernel over the same queries and KV range.
+
+# %%
+from bsrattn.numba_cuda.executor import shared_bytes
+from bsrattn.reference.microkernel import attend_range
+
+out, lse = runner.run(q32, k32, v32, return_lse=True)
+part_o, part_lse = (x.copy_to_host() for x in runner.workspace(cfg.compute_name))
+k_slots, v_slots = kv_as_slots(k32, spec), kv_as_slots(v32, spec)
+for w in range(work_plan.num_items):
+    p = int(work_plan.item_partial[w])
+    if p < 0:
+        continue
+    qs, qe = int(work_plan.item_qo_start[w]), int(work_plan.item_qo_end[w])
+    o_ref, lse_ref = attend_range(spec, q32, k_slots, v_slots, int(work_plan.item_row[w]), qs, qe,
+                                  int(work_plan.item_kv_start[w]), int(work_plan.item_kv_end[w]))
+    print(f"item {w} (KV {work_plan.item_kv_start[w]}:{work_plan.item_kv_end[w]}): partial state vs attend_range "
+          f"max |err| o {np.abs(part_o[p:p + qe - qs] - o_ref).max():.1e}, "
+          f"lse {np.abs(part_lse[p:p + qe - qs] - lse_ref).max():.1e}")
+
+# %% [markdown]
+# **Stage 4, the merge.** The final output equals the reference fold of those partial states in the plan's
+# order — and the plain attention.
+
+# %%
+for m in range(work_plan.num_merges):
+    qs, qe = int(work_plan.merge_qo_start[m]), int(work_plan.merge_qo_end[m])
+    rows = work_plan.merge_partials[work_plan.merge_indptr[m]:work_plan.merge_indptr[m + 1]]
+    o_parts = np.stack([part_o[p:p + qe - qs] for p in rows], axis=1)      # [n, S, Hq, D]
+    lse_parts = np.stack([part_lse[p:p + qe - qs] for p in rows], axis=1)  # [n, S, Hq]
+    o_ref, _ = ba.merge_states(o_parts, lse_parts)
+    print(f"merge {m}: output rows {qs}:{qe} vs reference fold of partial rows {rows.tolist()}: "
+          f"max |err| {np.abs(out[qs:qe] - o_ref).max():.1e}")
+_ = tiers.check("numba run", out, ba.attention(q, k, v, layout, variant=variant))
+
+# %% [markdown]
+# ## What it costs
+#
+# Here, on a CPU, the simulator and the interpreter are teaching tools: they run every CUDA thread as a Python
+# thread, or every Triton program as NumPy, so their times below say nothing about a GPU (notebook 10 has the
+# H200's). What carries over is the launch geometry and the memory each block declares.
+
+# %%
+for name in tiers.available():
+    ba.attention(q32, k32, v32, layout, variant=variant, backend=name)
+    start = time.perf_counter()
+    ba.attention(q32, k32, v32, layout, variant=variant, backend=name)
+    print(f"{name:>9}: {(time.perf_counter() - start) * 1e3:8.1f} ms for {layout.nnz_qo} queries x "
+          f"{int(layout.kv_lens.sum())} keys here")
+shared = shared_bytes(head_dim, cfg.group, cfg.tile_rows, cfg.tile_kv, head_dim * 4, cfg.word_size, 4)
+print(f"numba tier here: grid ({work_plan.num_ctas}, {num_kv_heads}) x {cfg.num_threads} threads, "
+      f"{cfg.tile_kv}-key tiles, {cfg.max_nq} (query, head) pairs per block, {shared} bytes of shared memory")

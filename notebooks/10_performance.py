@@ -1,0 +1,158 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10. Performance: the H200 results, viewed anywhere
+#
+# The benchmark suite (`benchmarks/`) runs the seven workloads of `BENCHMARKS.md` on an NVIDIA H200 and writes
+# one JSON file per workload under `benchmarks/results/`, with the environment it ran in and every figure. This
+# notebook reads those files — it needs no GPU — and draws them with the suite's own plotting code.
+#
+# The method, the same for every figure: each implementation is **checked against the float64 reference** on the
+# same inputs before it is timed (outputs poisoned with NaN first, so an unwritten element fails); L2 is flushed
+# before every sample; times are CUDA-event medians of at least 100 samples, in **graph** mode (the call captured
+# in a CUDA graph and replayed: GPU time) and **eager** mode (called from Python: what a user sees); and each is
+# printed beside its **physical bound** — the bytes the work needs over the measured copy bandwidth, or its FLOPs
+# over the measured matmul rate. Baselines (PyTorch SDPA, FlexAttention, FlashInfer) run in the same process on
+# the same data.
+#
+# To reproduce on a GPU: `python3 benchmarks/run_all.py` (or `--quick`, or `--only w1,w3`).
+
+# %%
+import os
+import shutil
+import sys
+from pathlib import Path
+
+# Without a GPU, the numba tier runs in Numba's CUDA simulator and the torch tier in Triton's interpreter.
+# Both read these variables when they are first imported, so they are set before anything imports them.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+ROOT = Path.cwd().parent                      # the notebook runs in notebooks/
+sys.path.insert(0, str(ROOT))
+from benchmarks import harness, plots, report  # noqa: E402
+
+# %% [markdown]
+# ## The results on disk
+#
+# Dry runs (the suite's plumbing exercised on a CPU, with nothing timed) are left out: what remains was measured.
+
+# %%
+results_dir = ROOT / "benchmarks" / "results"
+results = {}
+if results_dir.is_dir():
+    results = {name: payload for name, payload in harness.load_results(results_dir).items()
+               if not payload.get("dry_run")}
+if results:
+    for name, payload in results.items():
+        print(f"{name}: {len(payload['records'])} records, measured {payload['environment'].get('time_utc', '')}")
+else:
+    print(f"No benchmark results in {results_dir.relative_to(ROOT)} yet. They are measured on the H200 with "
+          "`python3 benchmarks/run_all.py` and committed; until then this notebook has nothing measured to show, "
+          "and it shows nothing rather than invent it. The CPU-only workload below runs here.")
+gpu_results = {name: payload for name, payload in results.items() if payload.get("ceilings")}
+
+# %% [markdown]
+# ## The pictures
+#
+# One figure per workload measured on a GPU: latency against the Quest budget with the bound (W1), the fraction
+# of copy bandwidth (W2), TFLOP/s (W3), speedups of split-KV and of the cascade (W4, W5), and `plan()`'s host
+# time (W6). The cell draws only what exists.
+
+# %% tags=["needs-results"]
+for name, payload in gpu_results.items():
+    if name not in plots.PLOTS:
+        continue
+    fig = plt.figure(figsize=(12, 4))
+    plots.PLOTS[name](payload, fig)
+    fig.suptitle(payload["title"] + (" (quick run)" if payload.get("quick") else ""), fontsize=10)
+    fig.tight_layout()
+    plt.show()
+if not gpu_results:
+    print("No GPU results to draw yet.")
+
+# %% [markdown]
+# ## The reference first
+#
+# A figure exists only for an implementation that matched the float64 reference. Records that did not run say
+# why: `unavailable` (a missing library, a shape an API refuses), `incorrect` (failed the check: never timed),
+# `error`, or `skipped` (the run's time budget ran out).
+
+# %%
+for name, payload in results.items():
+    counts = {}
+    for record in payload["records"]:
+        counts[record["status"]] = counts.get(record["status"], 0) + 1
+    print(f"{name:>16}: " + ", ".join(f"{count} {status}" for status, count in sorted(counts.items())))
+if not results:
+    print("Nothing measured yet.")
+
+# %% [markdown]
+# ## The tables
+#
+# The suite's own report, one table per workload: times in µs (graph mode, eager where marked `e`), the fraction
+# of the physical bound in brackets. On workload 1 the numba and torch tiers appear side by side, so their
+# achieved bandwidths can be compared.
+
+# %%
+for name, payload in results.items():
+    display(Markdown("\n".join(report.section(payload, results_dir))))
+if not results:
+    print("No tables yet.")
+
+# %% [markdown]
+# ## What it costs, modelled on this CPU
+#
+# Workload 7 needs no GPU: the scheduler's makespan simulation on 132 CTAs (the mechanism workload 4 measures)
+# and the read-amplification model of workload 1's Quest pattern (why a kernel with 128-slot blocks reads several
+# times the selected bytes). Here it runs in a small form — 10 trials, two sequence lengths — with the suite's
+# own helpers, and is tabulated and drawn with the suite's own report and plot.
+
+# %%
+import numpy as np
+
+import bsrattn as ba
+from benchmarks import w7_cpu_models as w7
+
+records = []
+for distribution in ba.scheduler.DISTRIBUTIONS:
+    for batch in w7.BATCHES:
+        sim = ba.scheduler.simulate(distribution, batch, num_ctas=w7.NUM_CTAS, trials=10)
+        records.append({"config": {"table": "makespan", "distribution": distribution, "batch": batch,
+                                   "num_ctas": w7.NUM_CTAS, "trials": 10},
+                        "impl": "plan vs round_robin", "status": "ok", "median": sim.median, "min": sim.min,
+                        "max": sim.max})
+rng = np.random.default_rng(0)
+for seq_len in (4096, 32768):
+    for budget in (b for b in w7.BUDGETS if b <= seq_len // w7.PAGE):
+        layout = w7.quest_layout(rng, seq_len, budget)
+        for block in w7.KERNEL_BLOCKS:
+            amp = layout.read_amplification(block)
+            records.append({"config": {"table": "read_amplification", "seq_len": seq_len, "budget": budget,
+                                       "kernel_block_size": block, "heads": w7.HEADS},
+                            "impl": f"block {block}", "status": "ok", "ratio": amp.ratio,
+                            "expected_ratio": w7.expected_ratio(seq_len // w7.PAGE, budget, w7.PAGE, block)})
+model = {"workload": w7.WORKLOAD, "title": w7.TITLE, "records": records}
+display(Markdown("\n".join(report.table_w7(model))))
+
+# %%
+fig = plt.figure(figsize=(12, 4))
+plots.plot_w7(model, fig)
+fig.suptitle(model["title"] + " (small form, on this CPU)", fontsize=10)
+fig.tight_layout()
+plt.show()
