@@ -150,29 +150,33 @@ def persistent_attention(
                 tl.store(counter, 0)
 
 
-def launch(q, k, v, out, lse, buffers, config, scalars):
-    """Launch :func:`persistent_attention` over the plan in ``buffers`` (a :class:`PlanBuffers`).
+def launch_args(q, k, v, out, lse, buffers, config, scalars):
+    """``(grid, args, kwargs)`` of :func:`persistent_attention` over the plan in ``buffers`` (a :class:`PlanBuffers`).
 
     ``config`` is a :class:`~bsrattn.torch_cuda.config.LaunchConfig` and ``scalars`` a
     :class:`~bsrattn.torch_cuda.config.Scalars`; ``lse`` is ``buffers.no_lse`` when ``config.store_lse`` is
     false. Shapes, dtypes and devices are the caller's to check.
     """
-    ks = kv_strides(k, config.kv_view)
-    vs = kv_strides(v, config.kv_view)
     sec = buffers.section
-    persistent_attention[(config.num_ctas, config.num_kv_heads)](
-        q, k, v, out, lse, buffers.part_o, buffers.part_lse, buffers.counters,
-        sec("cta_indptr"), sec("items"), sec("merge_indptr"), sec("merge_partials"),
-        sec("qo_indptr"), sec("kv_indptr"), sec("kv_lens"), sec("mask_indptr"), sec("first_slot"),
-        sec("kv_indices"), buffers.mask, buffers.alibi,
-        q.stride(0), q.stride(1), q.stride(2), *ks, *vs,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        buffers.part_o.stride(0), buffers.part_o.stride(1), buffers.part_lse.stride(0), buffers.part_lse.stride(1),
-        scalars.qk_scale, scalars.v_scale, scalars.soft_cap, config.window_left, scalars.sigmoid_bias,
-        config.num_kv_heads,
-        HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=config.block_size,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
-        CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap,
-        ALIBI=config.alibi, SIGMOID=config.sigmoid, CUSTOM_MASK=config.custom_mask, STORE_LSE=config.store_lse,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    args = (q, k, v, out, lse, buffers.part_o, buffers.part_lse, buffers.counters,
+            sec("cta_indptr"), sec("items"), sec("merge_indptr"), sec("merge_partials"),
+            sec("qo_indptr"), sec("kv_indptr"), sec("kv_lens"), sec("mask_indptr"), sec("first_slot"),
+            sec("kv_indices"), buffers.mask, buffers.alibi,
+            q.stride(0), q.stride(1), q.stride(2), *kv_strides(k, config.kv_view), *kv_strides(v, config.kv_view),
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            buffers.part_o.stride(0), buffers.part_o.stride(1), buffers.part_lse.stride(0), buffers.part_lse.stride(1),
+            scalars.qk_scale, scalars.v_scale, scalars.soft_cap, config.window_left, scalars.sigmoid_bias,
+            config.num_kv_heads)
+    kwargs = dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=config.block_size,
+                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
+                  CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap,
+                  ALIBI=config.alibi, SIGMOID=config.sigmoid, CUSTOM_MASK=config.custom_mask,
+                  STORE_LSE=config.store_lse, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    return (config.num_ctas, config.num_kv_heads), args, kwargs
+
+
+def launch(q, k, v, out, lse, buffers, config, scalars):
+    """Launch :func:`persistent_attention` (arguments as :func:`launch_args`)."""
+    grid, args, kwargs = launch_args(q, k, v, out, lse, buffers, config, scalars)
+    persistent_attention[grid](*args, **kwargs)

@@ -1,0 +1,191 @@
+"""Every kernel configuration the torch tier ships compiles for sm_90 (H100/H200), without a GPU.
+
+The Triton interpreter runs tile shapes the compiler would reject (register or shared-memory limits,
+``tl.dot`` shape rules), so CI also compiles each configuration down to a cubin with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 64))``: TTIR -> TTGIR -> LLVM IR -> PTX -> cubin
+(Triton bundles ``ptxas``, so no GPU is needed). The arguments are the ones the launcher really passes
+(:func:`bsrattn.torch_cuda.executor.launch_args` on CPU tensors of real shapes), specialised the way
+Triton's JIT specialises them (16-byte alignment, integers equal to 1), so the compiled code is the code a
+launch gets: for instance the K/V loads must become pipelined ``cp.async`` copies into shared memory.
+
+Compilation needs a process without ``TRITON_INTERPRET`` (``tests/conftest.py`` sets it when there is no
+GPU), so each batch of configurations compiles in a subprocess running this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+# name: (q dtype, kv dtype, head_dim, group size, tile_q, kv view, block size, variant flags)
+CONFIGS = {
+    "decode fp16, paged, G4": ("float16", "float16", 128, 4, 4, "NHD", 16, {}),
+    "decode bf16 + fp8-e4m3 KV, ALiBi, soft cap, G8": ("bfloat16", "float8_e4m3fn", 128, 8, 2, "NHD", 16,
+                                                       dict(alibi=True, soft_cap=True)),
+    "decode fp16 + fp8-e5m2 KV, tree mask, window, HND, d64, M32": ("float16", "float8_e5m2", 64, 4, 8, "HND", 16,
+                                                                   dict(custom_mask=True, window_left=64)),
+    "prefill bf16, ragged 3-D, causal, M128": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1, dict(causal=True)),
+    "prefill fp16, sigmoid, window, G1, d64, no lse": ("float16", "float16", 64, 1, 128, "NHD3", 1,
+                                                       dict(sigmoid=True, window_left=256, store_lse=False)),
+    "prefill fp32 (IEEE dots), causal": ("float32", "float32", 128, 4, 32, "NHD", 16, dict(causal=True)),
+    "prefill bf16, d256, causal, ALiBi": ("bfloat16", "bfloat16", 256, 4, 32, "NHD", 16,
+                                          dict(causal=True, alibi=True)),
+}
+MERGE_DTYPES = ("float16", "bfloat16", "float32")
+WORKERS = 2
+
+
+def _specialised(fn, args, kwargs):
+    """``(signature, constexprs, attrs)`` of ``fn`` for these arguments, as Triton's JIT would make them."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in kwargs:
+            signature[name], constexprs[name] = "constexpr", kwargs[name]
+            continue
+        kind, attr = native_specialize_impl(BaseBackend, args[i], False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = attr
+        elif attr:
+            attrs[(i,)] = BaseBackend.parse_attr(attr)
+    return signature, constexprs, attrs
+
+
+def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_size, flags):
+    import torch
+
+    from bsrattn.torch_cuda import config as cfg
+    from bsrattn.torch_cuda.executor import launch_args
+    from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
+
+    hkv, blocks = 2, 8
+    hq = hkv * group
+    t = cfg.tiles(cfg.block_m(tile_q, group), head_dim, q_dtype)
+    config = cfg.LaunchConfig(
+        num_ctas=4, num_kv_heads=hkv, group_size=group, head_dim=head_dim, block_size=block_size, block_m=t.block_m,
+        block_n=t.block_n, block_d=cfg.block_d(head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
+        kv_view=view, causal=flags.get("causal", False), window_left=flags.get("window_left", -1),
+        soft_cap=flags.get("soft_cap", False), alibi=flags.get("alibi", False), sigmoid=flags.get("sigmoid", False),
+        custom_mask=flags.get("custom_mask", False), store_lse=flags.get("store_lse", not flags.get("sigmoid")))
+    kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
+                "NHD3": (blocks, hkv, head_dim)}[view]
+    q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))
+    k, v = (torch.empty(kv_shape, dtype=getattr(torch, kv_dtype)) for _ in range(2))
+    buffers = PlanBuffers(Capacity(4, 64, 16, 64, 16, 64, 256, 64).grown(), hq, hkv, head_dim, torch.device("cpu"))
+    lse = torch.empty((32, hq)) if config.store_lse else buffers.no_lse
+    scalars = cfg.Scalars(0.088, 1.0, 30.0, 0.0)
+    _, args, kwargs = launch_args(q, k, v, torch.empty_like(q), lse, buffers, config, scalars)
+    return args, kwargs
+
+
+def _merge_launches(dtype):
+    import torch
+
+    from bsrattn.torch_cuda import merge
+
+    o = torch.empty((4, 3, 2, 128), dtype=getattr(torch, dtype))
+    lse = torch.empty((4, 3, 2))
+    o2, lse2 = torch.empty((4, 2, 128), dtype=o.dtype), torch.empty((4, 2))
+    d = dict(HEAD_DIM=128, BLOCK_R=merge.BLOCK_R, BLOCK_D=128)
+    return [(merge._merge_states_kernel, (o, lse, o2, lse2, 3, 2, 8), d),
+            (merge._merge_state_kernel, (o2, lse2, o2, lse2, o2, lse2, 8), d),
+            (merge._add_kernel, (o2, o2, o2, o2.numel()), dict(BLOCK=merge.ADD_BLOCK))]
+
+
+def _compile(fn, args, kwargs):
+    """Compile for sm_90; returns the stages produced and a few facts about the code."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kwargs = dict(kwargs)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    signature, constexprs, attrs = _specialised(fn, args, kwargs)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 64),
+                            options=options)
+    ttgir = kernel.asm["ttgir"]
+    return dict(stages=sorted(kernel.asm.keys()), shared=kernel.metadata.shared,
+                async_copies=ttgir.count("async_copy_global_to_local"), fp_atomics=ttgir.count("atomic_rmw fadd"))
+
+
+def _worker(names):
+    """Compile the named configurations (in this process, which must not be interpreting); print JSON."""
+    from bsrattn.torch_cuda.executor import persistent_attention
+
+    results = {}
+    for name in names:
+        try:
+            if name.startswith("merge "):
+                results[name] = [_compile(fn, a, k) for fn, a, k in _merge_launches(name.split()[1])]
+            else:
+                results[name] = _compile(persistent_attention, *_attention_launch(*CONFIGS[name]))
+        except Exception as err:  # reported by the test, with the configuration's name
+            results[name] = dict(error=f"{type(err).__name__}: {err}"[-3000:])
+    print(json.dumps(results))
+
+
+def _compile_in_subprocesses(names):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    batches = [names[i::WORKERS] for i in range(WORKERS)]
+
+    def run(batch):
+        done = subprocess.run([sys.executable, __file__, *batch], env=env, capture_output=True, text=True,
+                              timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if done.returncode:
+            raise AssertionError(f"compile worker failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        results = {}
+        for part in pool.map(run, [b for b in batches if b]):
+            results.update(part)
+    return results
+
+
+def _triton_compiler_or_skip():
+    pytest.importorskip("triton")
+    try:
+        from triton.runtime.jit import native_specialize_impl  # noqa: F401
+    except ImportError as err:
+        pytest.skip(f"this Triton has no native_specialize_impl to mirror the JIT's specialisation: {err}")
+
+
+def _fail_or_skip(name, result):
+    if "error" not in result:
+        return
+    if "ptxas" in result["error"]:
+        pytest.skip(f"{name}: compiled to PTX; the final ptxas step failed here: {result['error'][-300:]}")
+    raise AssertionError(f"{name} does not compile for sm_90:\n{result['error']}")
+
+
+def test_attention_kernel_compiles_for_sm90():
+    _triton_compiler_or_skip()
+    results = _compile_in_subprocesses(list(CONFIGS))
+    for name, result in results.items():
+        _fail_or_skip(name, result)
+        assert "cubin" in result["stages"], (name, result)
+        # Gathered K/V tiles must be pipelined into shared memory (cp.async), not loaded into registers.
+        assert result["async_copies"] >= 2, (name, result)
+        assert result["fp_atomics"] == 0, (name, "no floating-point atomics anywhere")
+        assert result["shared"] <= 227 * 1024, (name, result)
+
+
+def test_merge_kernels_compile_for_sm90():
+    _triton_compiler_or_skip()
+    results = _compile_in_subprocesses([f"merge {d}" for d in MERGE_DTYPES])
+    for name, result in results.items():
+        _fail_or_skip(name, result)
+        assert all("cubin" in r["stages"] for r in result), (name, result)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    _worker(sys.argv[1:])
