@@ -1,0 +1,215 @@
+"""The torch tier on a GPU at real sizes (marked ``gpu``; skipped, with the reason, where there is none).
+
+32 query heads over 8 KV heads, head_dim 128, page 16, thousands of keys, in every dtype (float32,
+float16, bfloat16, fp8 KV with float16/bfloat16 queries and scales), against the float64 reference. Then
+what only a GPU can show: a CUDA graph captured once and replayed across re-plans with other lengths
+(compared with eager runs and the reference), ``torch.compile(fullgraph=True)`` with Inductor, bitwise
+determinism over 100 runs of a split plan, and batch invariance under ``fixed_split_size``. Run on the
+H200 with::
+
+    python -m pytest tests/test_torch_gpu.py -m gpu -q -rs
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import bsrattn as ba
+from bsrattn.testing import assert_close
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DTYPES = ("float32", "float16", "bfloat16")
+FP8 = [(q, kv) for q in ("float16", "bfloat16") for kv in ("float8_e4m3fn", "float8_e5m2")]
+
+
+def _paged(rng, qo_lens, kv_lens, extra=16):
+    need = [-(-int(n) // PAGE) for n in kv_lens]
+    perm = rng.permutation(sum(need) + extra)
+    tables = np.split(perm[:sum(need)], np.cumsum(need)[:-1])
+    return ba.layouts.paged(list(qo_lens), tables, list(kv_lens), PAGE, int(perm.size))
+
+
+def _inputs(rng, layout, q_dtype, kv_dtype, hq=HQ, hkv=HKV, d=D, kv_shape=None):
+    kv_shape = kv_shape or (layout.num_blocks, layout.block_size, hkv, d)
+    q = torch.randn(layout.nnz_qo, hq, d, device="cuda").to(getattr(torch, q_dtype))
+    k, v = (torch.randn(kv_shape, device="cuda").to(getattr(torch, kv_dtype)) for _ in range(2))
+    return q, k, v
+
+
+def _f64(x):
+    return x.detach().double().cpu().numpy()
+
+
+def _check(got, q, k, v, layout, variant, dtype, kv_layout="NHD", k_scale=1.0, v_scale=1.0, name="torch"):
+    want = ba.attention(_f64(q), _f64(k) * k_scale, _f64(v) * v_scale, layout, variant=variant,
+                        kv_layout=kv_layout, backend="reference", return_lse=not variant.use_sigmoid)
+    if variant.use_sigmoid:
+        assert_close(got, want, "attention", dtype, name=f"{name} out")
+        return
+    assert_close(got[0], want[0], "attention", dtype, name=f"{name} out")
+    assert_close(got[1], want[1], "lse", dtype, name=f"{name} lse")
+
+
+# ---- every dtype at real sizes ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode(dtype):
+    rng = np.random.default_rng(0)
+    layout = _paged(rng, [1] * 8, rng.integers(500, 3000, size=8))
+    q, k, v = _inputs(rng, layout, dtype, dtype)
+    variant = ba.Variant(logits_soft_cap=30.0)
+    got = ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=True)
+    _check(got, q, k, v, layout, variant, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ragged_causal_prefill(dtype):
+    rng = np.random.default_rng(1)
+    qo = [300, 517, 64]
+    layout = ba.layouts.ragged(qo, [n + 100 for n in qo])
+    q, k, v = _inputs(rng, layout, dtype, dtype, kv_shape=(layout.num_blocks, HKV, D))
+    variant = ba.Variant(causal=True)
+    got = ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=True)
+    _check(got, q, k, v, layout, variant, dtype)
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", FP8)
+def test_fp8_kv(q_dtype, kv_dtype):
+    rng = np.random.default_rng(2)
+    layout = _paged(rng, [1, 1, 4, 1], [2000, 64, 900, 1500])
+    q, k, v = _inputs(rng, layout, q_dtype, kv_dtype)
+    variant = ba.Variant(causal=True)
+    got = ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=True, k_scale=0.8,
+                       v_scale=1.7)
+    _check(got, q, k, v, layout, variant, kv_dtype, k_scale=0.8, v_scale=1.7)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_prefill_variants_and_tree(dtype):
+    rng = np.random.default_rng(3)
+    layout = _paged(rng, [200, 130], [700, 300])
+    q, k, v = _inputs(rng, layout, dtype, dtype)
+    slopes = tuple(2.0 ** (-8 * (i + 1) / HQ) for i in range(HQ))
+    for variant in (ba.Variant(causal=True, window_left=128, alibi_slopes=slopes),
+                    ba.Variant(causal=True, logits_soft_cap=20.0), ba.Variant(sigmoid_bias=-3.0, causal=True)):
+        got = ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=not variant.use_sigmoid)
+        _check(got, q, k, v, layout, variant, dtype, name=str(variant))
+    parents = [[-1] + [int(rng.integers(0, i)) for i in range(1, 24)], [-1, 0, 0, 1, 1, 2]]
+    kv_lens = [1000, 400]
+    need = [-(-n // PAGE) for n in kv_lens]
+    tables = np.split(rng.permutation(sum(need)), np.cumsum(need)[:-1])
+    tree = ba.layouts.tree(parents, tables, kv_lens, PAGE, sum(need))
+    q, k, v = _inputs(rng, tree, dtype, dtype)
+    got = ba.attention(q, k, v, tree, backend="torch", return_lse=True)
+    _check(got, q, k, v, tree, ba.Variant(), dtype, name="tree")
+
+
+def test_quest_and_cascade():
+    rng = np.random.default_rng(4)
+    n_pages, budget, heads = 512, 64, 32
+    selected = [np.sort(rng.choice(n_pages, budget, replace=False)) for _ in range(heads)]
+    layout = ba.layouts.quest([rng.permutation(n_pages)], [n_pages * PAGE], [selected], PAGE, n_pages, heads)
+    q = torch.randn(1, heads, D, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(n_pages, heads, PAGE, D, device="cuda", dtype=torch.float16) for _ in range(2))
+    views = ba.layouts.per_head_views(q, k, v, heads)
+    got = ba.attention(*views, layout, backend="torch", return_lse=True)
+    _check(got, *views, layout, ba.Variant(), "float16", name="quest")
+
+    casc = ba.layouts.shared_prefix([1] * 16, rng.permutation(256)[:200], 3200, [[256 + i] for i in range(16)],
+                                    [int(n) for n in rng.integers(1, PAGE + 1, size=16)], PAGE, 272)
+    q = torch.randn(16, HQ, D, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(272, PAGE, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(casc, HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+    _check(attn.run(q, k, v, return_lse=True), q, k, v, casc, ba.Variant(), "float16", name="cascade")
+
+
+# ---- CUDA graphs --------------------------------------------------------------------------------------
+
+def test_cuda_graph_replays_across_replans():
+    rng = np.random.default_rng(5)
+    batch, max_len = 16, 4096
+    num_pages = batch * max_len // PAGE
+    tables = rng.permutation(num_pages).reshape(batch, -1)
+
+    def layout(lens):
+        return ba.layouts.paged([1] * batch, tables, lens, PAGE, num_pages)
+
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, HQ, device="cuda")
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout([max_len] * batch), HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+    buffers = attn._runners[0].buffers
+    attn.run(q, k, v, out=out, lse=lse)  # compiles the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, k, v, out=out, lse=lse)
+    for step in range(4):
+        lens = rng.integers(1, max_len + 1, size=batch)
+        attn.plan(layout(lens), HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+        assert attn._runners[0].buffers is buffers, "the re-plan must refill the captured buffers in place"
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_o, eager_lse = attn.run(q, k, v, return_lse=True)
+        assert torch.equal(out, eager_o) and torch.equal(lse, eager_lse), f"step {step}: replay != eager"
+        _check((out, lse), q, k, v, layout(lens), ba.Variant(), "float16", name=f"replay step {step}")
+
+
+# ---- torch.compile ------------------------------------------------------------------------------------
+
+def test_torch_compile_fullgraph_inductor():
+    rng = np.random.default_rng(6)
+    layout = _paged(rng, [1] * 4, [3000, 200, 1500, 900])
+    q, k, v = _inputs(rng, layout, "bfloat16", "bfloat16")
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout, HQ, HKV, D, q_dtype="bfloat16", kv_dtype="bfloat16")
+
+    def step(q, k, v):
+        out, lse = attn.run(q * 1.0, k, v, return_lse=True)
+        merged, _ = torch.ops.bsrattn.merge_state(out, lse, out, lse)
+        return merged, lse
+
+    eager = step(q, k, v)
+    compiled = torch.compile(step, fullgraph=True)(q, k, v)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---- determinism --------------------------------------------------------------------------------------
+
+def test_bitwise_determinism_over_100_runs():
+    rng = np.random.default_rng(7)
+    layout = _paged(rng, [1, 1, 2], [16000, 9000, 12000])
+    q, k, v = _inputs(rng, layout, "float16", "float16")
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout, HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+    assert attn.work_plans[0].num_merges > 0, "the plan must split, so that merges race to finish"
+    first_o, first_lse = attn.run(q, k, v, return_lse=True)
+    for run in range(100):
+        o, lse = attn.run(q, k, v, return_lse=True)
+        assert torch.equal(o, first_o) and torch.equal(lse, first_lse), f"run {run} differs"
+
+
+def test_batch_invariance_with_fixed_split_size():
+    rng = np.random.default_rng(8)
+    alone = _paged(rng, [1], [7000])
+    q, k, v = _inputs(rng, alone, "bfloat16", "bfloat16")
+    crowd_layout = ba.layouts.paged([1, 1, 1], [rng.permutation(alone.num_blocks)[:300], alone.kv_indices,
+                                                rng.permutation(alone.num_blocks)[:100]], [4800, 7000, 1600], PAGE,
+                                    alone.num_blocks)
+    crowd_q = torch.cat([torch.randn_like(q), q, torch.randn_like(q)])
+    outs = []
+    for lay, qq, ctas in ((alone, q, 3), (crowd_layout, crowd_q, 40)):
+        attn = ba.BatchAttention(backend="torch")
+        attn.plan(lay, HQ, HKV, D, fixed_split_size=1024, num_ctas=ctas)
+        outs.append(attn.run(qq, k, v))
+    assert torch.equal(outs[0][0], outs[1][1]), "a request's output must not depend on its batch"
