@@ -47,8 +47,9 @@ def attention(q, k, v, layout, *, variant=None, backend=None, kv_layout="NHD", r
     Parameters
     ----------
     q : ``[nnz_qo, num_qo_heads, head_dim]``
-    k, v : ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), ``[num_blocks, num_kv_heads,
-        block_size, head_dim]`` (``kv_layout="HND"``) or ``[N, num_kv_heads, head_dim]`` when ``block_size == 1``.
+    k, v : arrays
+        ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), ``[num_blocks, num_kv_heads, block_size,
+        head_dim]`` (``kv_layout="HND"``) or ``[N, num_kv_heads, head_dim]`` when ``block_size == 1``.
     layout : BSRLayout or Cascade
     variant : Variant, optional
     backend : str or Backend, optional
@@ -62,8 +63,9 @@ def attention(q, k, v, layout, *, variant=None, backend=None, kv_layout="NHD", r
 
     Returns
     -------
-    out, or ``(out, lse)`` when ``return_lse``. ``out`` has ``q``'s dtype and array kind. A query that sees no
-    key gets ``out = 0`` and ``lse = -inf``.
+    out or (out, lse)
+        ``(out, lse)`` when ``return_lse``, else ``out``. ``out`` has ``q``'s dtype and array kind. A query that
+        sees no key gets ``out = 0`` and ``lse = -inf``.
 
     Examples
     --------
