@@ -50,7 +50,9 @@ def fold_partials(part_o, part_lse, merge_partials, lo, hi, row, head, valid, d,
     """
     o, lse = _load_partial(part_o, part_lse, tl.load(merge_partials + lo), row, head, valid, d,
                            stride_pn, stride_ph, stride_ln, stride_lh, HEAD_DIM)
-    for j in range(lo + 1, hi):
+    # Pipelined: the next partial state is in flight while this one is folded, so a merge of S states
+    # costs about one L2 round trip, not S of them, on the critical path of the last CTA.
+    for j in tl.range(lo + 1, hi, num_stages=2):
         o_b, lse_b = _load_partial(part_o, part_lse, tl.load(merge_partials + j), row, head, valid, d,
                                    stride_pn, stride_ph, stride_ln, stride_lh, HEAD_DIM)
         if SIGMOID:
