@@ -60,7 +60,9 @@ def paged_case(rng, qo_lens=(3, 1, 2), kv_lens=(45, 12, 70), page=8, extra=3):
 # ---- layouts and storage views ------------------------------------------------------------------------
 
 def _layout_case(kind, rng):
-    """``(layout, k_shape_for, kv_layout)`` for each storage view the tier reads by strides."""
+    """``(layout, storage view)`` for each storage view the tier reads by strides."""
+    if kind == "dense":
+        return ba.layouts.dense(20, 33), "NHD"
     if kind == "ragged (affine path)":
         return ba.layouts.ragged([2, 1, 3], [30, 65, 9]), "NHD3"
     if kind == "paged NHD":
@@ -85,7 +87,7 @@ def _kv_for(layout, view, hkv, d, rng):
     return pool(rng, *shape), pool(rng, *shape), "HND" if view == "HND" else "NHD"
 
 
-@pytest.mark.parametrize("kind", ["ragged (affine path)", "paged NHD", "paged HND", "vector_sparse 3-D",
+@pytest.mark.parametrize("kind", ["dense", "ragged (affine path)", "paged NHD", "paged HND", "vector_sparse 3-D",
                                   "block_sparse with mask", "tree"])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 1)], ids=["mha", "gqa4"])
 def test_layouts_and_views(kind, heads):
@@ -204,6 +206,32 @@ def test_numpy_inputs_come_back_as_numpy():
     assert isinstance(out, np.ndarray) and out.dtype == np.float16 and lse.dtype == np.float32
     want = ba.attention(q.astype(np.float64), k.astype(np.float64) * 0.5, v.astype(np.float64), layout, return_lse=True)
     check((out, lse), want, "float8_e4m3fn")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_numpy_dtypes_cross_bit_for_bit(dtype):
+    from bsrattn.torch_cuda.tensors import to_torch
+
+    x = np.random.default_rng(15).standard_normal((3, 5)).astype(getattr(ml_dtypes, dtype))
+    t = to_torch("x", x, torch.device(DEVICE))
+    assert t.dtype == getattr(torch, dtype)
+    back = to_numpy(t)
+    assert back.dtype == x.dtype and np.array_equal(back.view(np.uint8), x.view(np.uint8))
+
+
+# ---- configuration ------------------------------------------------------------------------------------
+
+def test_plan_options_pick_decode_and_prefill_tiles():
+    from bsrattn.validation import make_spec
+
+    decode = make_spec(ba.layouts.ragged([1, 1, 1], [900, 40, 7]), 32, 8, 128, q_dtype="float16")
+    prefill = make_spec(ba.layouts.ragged([512, 64], [512, 64]), 32, 8, 128, q_dtype="bfloat16")
+    for spec, rows in ((decode, 16), (prefill, 128)):
+        opts = tcfg.plan_options(spec)
+        assert tcfg.block_m(opts["tile_q"], spec.group_size) == rows == opts["tile_q"] * spec.group_size
+        assert opts["num_ctas"] * spec.num_kv_heads <= tcfg.num_sms() * max(tcfg.CTAS_PER_SM.values())
+    config = tcfg.LaunchConfig(4, 8, 4, 128, 16, 16, 64, 128, 4, 3, "HND", True, 7, False, True, False, True, True)
+    assert tcfg.LaunchConfig.from_list(config.to_list()) == config
 
 
 # ---- out= / lse= buffers ------------------------------------------------------------------------------
