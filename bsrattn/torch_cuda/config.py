@@ -30,7 +30,7 @@ INTERPRETER_SMS = 4
 
 @dataclass(frozen=True)
 class Tiles:
-    """One kernel configuration (all compile-time constants of the launch)."""
+    """The tile shapes and software pipelining of one launch (see :func:`tiles`)."""
 
     block_m: int
     block_n: int

@@ -82,9 +82,9 @@ class Runner:
         out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
         lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
         config = self.launch_config(dtype_str(q_t), spec.kv_view_of(k_t), want_lse)
-        fp8 = spec.kv_is_fp8 or dtype_str(k_t).startswith("float8")
-        scalars = [spec.sm_scale * (k_scale if fp8 and k_scale is not None else 1.0),
-                   float(v_scale) if fp8 and v_scale is not None else 1.0,
+        # fp8 KV is dequantised by folding k_scale into the score scale and v_scale into the output.
+        scalars = [spec.sm_scale * (1.0 if k_scale is None else float(k_scale)),
+                   1.0 if v_scale is None else float(v_scale),
                    float(spec.variant.logits_soft_cap), float(spec.variant.sigmoid_bias or 0.0)]
         b = self.buffers
         torch.ops.bsrattn.attention_run(q_t, k_t, v_t, out_t, b.no_lse if lse_t is None else lse_t, b.plan, b.mask,
