@@ -6,7 +6,9 @@ when they are large enough — so a CUDA graph captured around ``run`` replays t
 the same. What a graph does record, and what must therefore not change between the plans it replays:
 the launch configuration (:class:`~bsrattn.torch_cuda.config.LaunchConfig`: tile sizes from ``tile_q``,
 the variant, dtypes, the KV view) and the tensors passed to ``run``. ``run`` allocates nothing but the
-outputs it is not given, and never synchronises with the host.
+outputs it is not given, and never synchronises with the host. The refill is an asynchronous copy on the
+current stream at ``plan`` time: run on that stream (or order the two), as with any stream-ordered write.
+One runner's workspace serves one launch at a time.
 """
 
 from __future__ import annotations
