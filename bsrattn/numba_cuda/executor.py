@@ -5,13 +5,15 @@ batch: ``(work_plan.num_ctas, num_kv_heads)`` blocks. Block ``(c, h)`` walks CTA
 ``cta_indptr[c]:cta_indptr[c+1]`` in order, for KV head ``h`` and its ``G`` query heads. For each item, and
 each sub-tile of its query rows, it loops over the item's KV range one ``tile_kv`` tile at a time::
 
-    resolve_rows   storage row of each key of the tile (sparse or dense path)   gather.py
-    copy_rows      K and V rows -> shared memory, two-phase                      gather.py
+    load_rows      next tile's K and V rows -> registers (in flight from here)   gather.py
     scores         q . k, scale, soft cap, ALiBi, masks                          microkernel.py
     probabilities  p = exp(s - m_new), alpha = exp(m - m_new) (or sigmoid)      microkernel.py
     accumulate     acc = alpha acc + P V, l = alpha l + sum p                    microkernel.py
+    store_rows     registers -> shared memory: the next tile is ready            gather.py
+    resolve_rows   storage rows of the tile after it (sparse or dense path)      gather.py
 
-with a block-wide barrier between steps (four per tile).
+with a block-wide barrier after scores, probabilities, accumulate and the store. The gather runs one tile
+ahead of the microkernel, through registers, so a block always has loads in flight while it computes.
 and then writes its state: an unsplit item writes ``out``/``lse`` directly; an item of a split tile writes
 its partial ``(o, lse)`` into its plan-assigned workspace rows, which the merge kernel
 (:func:`.merge.plan_merge_kernel`) folds afterwards in the plan's order. No atomics anywhere, so the result
@@ -61,6 +63,7 @@ class Config:
     num_threads: int
     tile_kv: int
     tile_rows: int          # query rows per sub-tile
+    min_blocks: int = 0     # launch bound: blocks per SM the compiler must fit (0: its choice)
 
     @property
     def compute(self):
@@ -113,10 +116,11 @@ def query_tile_rows(group: int) -> int:
     return max(1, launch.MAX_QUERIES // group)
 
 
-def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size):
-    """``(tile_rows, tile_kv)``: :func:`query_tile_rows`, and the largest power-of-two KV tile up to ``TILE_KV``
-    whose shared memory fits ``SHARED_MEMORY_LIMIT``."""
-    tile_rows = query_tile_rows(group)
+def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size, item_rows):
+    """``(tile_rows, tile_kv)``: :func:`query_tile_rows`, or fewer when no work item has more query rows
+    (decode: 1), and the largest power-of-two KV tile up to ``TILE_KV`` whose shared memory fits
+    ``SHARED_MEMORY_LIMIT``."""
+    tile_rows = max(1, min(query_tile_rows(group), item_rows))
     tile_kv = launch.TILE_KV
     while shared_bytes(head_dim, group, tile_rows, tile_kv, head_dim * kv_itemsize, word_size,
                        compute_size) > launch.SHARED_MEMORY_LIMIT:
@@ -130,13 +134,12 @@ def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size):
 @functools.lru_cache(maxsize=None)
 def persistent_kernel(cfg: Config):
     """The compiled-on-first-launch attention kernel for ``cfg``."""
-    resolve_rows, copy_rows = make_gather(cfg)
+    resolve_rows, load_rows, store_rows = make_gather(cfg)
     load_queries, scores, probabilities, accumulate, finish = make_microkernel(cfg)
     compute, word, element = cfg.compute, cfg.word, cfg.element
     head_dim, group, tile_kv, tile_rows, max_nq = cfg.head_dim, cfg.group, cfg.tile_kv, cfg.tile_rows, cfg.max_nq
     row_stride, acc_per_thread, words_per_thread = cfg.row_stride, cfg.acc_per_thread, cfg.words_per_thread
 
-    @cuda.jit
     def persistent(q, k_words, v_words, out, lse, part_o, part_lse, cta_indptr, items, qo_indptr, kv_indptr,
                    kv_indices, kv_lens, row_slot_start, mask_indptr, mask, block_size, num_kv_heads, score_scale,
                    v_scale, window_left, cap, alibi_slopes, sigmoid_bias):
@@ -175,24 +178,31 @@ def persistent_kernel(cfg: Config):
                 resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
                              kv_head, kv_start, kv_end)
                 cuda.syncthreads()
+                load_rows(t, k_staged, v_staged, k_words, v_words, tile_rows_s)
+                cuda.syncthreads()  # every thread has read tile_rows_s before it is overwritten
+                store_rows(t, k_staged, v_staged, k_tile, v_tile)
+                resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
+                             kv_head, kv_start + tile_kv, kv_end)
+                cuda.syncthreads()
                 for kv0 in range(kv_start, kv_end, tile_kv):
-                    copy_rows(t, k_staged, v_staged, k_tile, v_tile, k_words, v_words, tile_rows_s)
-                    cuda.syncthreads()
+                    # Issue the next tile's loads now; they travel while this tile is computed.
+                    load_rows(t, k_staged, v_staged, k_words, v_words, tile_rows_s)
                     scores(t, s_tile, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len, kv_head,
                            score_scale, window_left, cap, alibi_slopes, mask_indptr[r], mask)
                     cuda.syncthreads()
                     probabilities(t, s_tile, p_tile, m_run, m_next, alpha, nq, sigmoid_bias)
                     cuda.syncthreads()
                     accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, v_el, nq)
-                    # The next tile's rows, while this one's are no longer read: one barrier fewer per tile.
-                    resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
-                                 kv_head, kv0 + tile_kv, kv_end)
+                    cuda.syncthreads()
+                    store_rows(t, k_staged, v_staged, k_tile, v_tile)
+                    resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size,
+                                 num_kv_heads, kv_head, kv0 + 2 * tile_kv, kv_end)
                     cuda.syncthreads()
                 finish(t, acc, m_run, l_run, nq, q_row0, kv_head, v_scale, out, lse, item_q0, part_o, part_lse,
                        part_row0)
                 cuda.syncthreads()
 
-    return persistent
+    return launch.kernel(persistent, cfg.num_threads, cfg.min_blocks)
 
 
 def _address(x) -> int:
@@ -220,6 +230,8 @@ class Runner:
         layout = spec.layout
         starts = affine_row_starts(layout)
         self.dense = starts is not None
+        heights = work_plan.item_qo_end - work_plan.item_qo_start
+        self.item_rows = int(heights.max()) if heights.size else 1
         self._layout_args = (
             _at_least_one(layout.qo_indptr, np.int32), _at_least_one(layout.kv_indptr, np.int32),
             _at_least_one(layout.kv_indices, np.int32), _at_least_one(layout.kv_lens, np.int32),
@@ -250,12 +262,13 @@ class Runner:
         spec, variant = self.spec, self.spec.variant
         compute_name = compute_format(q_format, kv_format)
         tile_rows, tile_kv = choose_tiles(spec.head_dim, spec.group_size, numpy_dtype(kv_format).itemsize,
-                                          word_size, np.dtype(compute_name).itemsize)
+                                          word_size, np.dtype(compute_name).itemsize, self.item_rows)
         return Config(head_dim=spec.head_dim, group=spec.group_size, q_format=q_format, kv_format=kv_format,
                       compute_name=compute_name, kv_hnd=kv_view == "HND", dense=self.dense, causal=variant.causal,
                       soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
                       sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None,
-                      word_size=word_size, num_threads=launch.NUM_THREADS, tile_kv=tile_kv, tile_rows=tile_rows)
+                      word_size=word_size, num_threads=launch.NUM_THREADS, tile_kv=tile_kv, tile_rows=tile_rows,
+                      min_blocks=launch.MIN_BLOCKS_PER_SM)
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
         """Attention of ``q [nnz_qo, Hq, D]`` over ``k, v`` (the spec's storage); returns ``(out, lse or None)``."""

@@ -60,7 +60,8 @@ def rows_view(x, head_dim: int, word: np.dtype):
 
 
 def make_gather(cfg):
-    """Device functions ``resolve_rows`` and ``copy_rows`` for one kernel configuration (see ``executor.Config``)."""
+    """Device functions ``resolve_rows``, ``load_rows`` and ``store_rows`` for one kernel configuration (see
+    ``executor.Config``)."""
     tile_kv, threads = cfg.tile_kv, cfg.num_threads
     row_words, tile_words, words_per_thread = cfg.row_words, cfg.tile_kv * cfg.row_words, cfg.words_per_thread
     dense, hnd = cfg.dense, cfg.kv_hnd
@@ -85,16 +86,17 @@ def make_gather(cfg):
             tile_rows[j] = row
 
     @device
-    def copy_rows(t, k_staged, v_staged, k_tile, v_tile, k_words, v_words, tile_rows):
-        """Thread ``t``'s share of ``k_tile, v_tile [tile_kv, row_words + pad]`` (shared) <- rows ``tile_rows`` of
-        ``k_words, v_words [rows, row_words]``; rows past the end are zeroed, so a zero weight never meets stale
-        NaN bits.
+    def load_rows(t, k_staged, v_staged, k_words, v_words, tile_rows):
+        """Thread ``t``'s words of the rows ``tile_rows`` of ``k_words, v_words [rows, row_words]`` into its
+        registers ``k_staged, v_staged [words_per_thread]`` (local); rows past the end read as zero, so a zero
+        weight never meets stale NaN bits.
 
-        Two phases through ``k_staged, v_staged [words_per_thread]`` (local): every load of this thread is
-        issued before any store, so a thread keeps ``words_per_thread`` loads in flight instead of waiting out
-        the memory latency once per word (what ``cp.async`` does in hardware; Numba has no async copy).
+        Every load is issued before any is used, so each thread keeps ``words_per_thread`` loads in flight, and
+        the executor issues them a tile ahead: they travel while the previous tile is computed (what
+        ``cp.async`` pipelines do in hardware; Numba has no async copy).
         """
-        for n in range(words_per_thread):
+        n = 0
+        while n < words_per_thread:  # while, not range(): see microkernel's note on Numba's range iterator
             e = t + n * threads
             src = tile_rows[e // row_words] if e < tile_words else -1
             if src >= 0:
@@ -103,10 +105,17 @@ def make_gather(cfg):
             else:
                 k_staged[n] = 0
                 v_staged[n] = 0
-        for n in range(words_per_thread):
+            n += 1
+
+    @device
+    def store_rows(t, k_staged, v_staged, k_tile, v_tile):
+        """Thread ``t``'s staged words into ``k_tile, v_tile [tile_kv, row_words + pad]`` (shared)."""
+        n = 0
+        while n < words_per_thread:
             e = t + n * threads
             if e < tile_words:
                 k_tile[e // row_words, e % row_words] = k_staged[n]
                 v_tile[e // row_words, e % row_words] = v_staged[n]
+            n += 1
 
-    return resolve_rows, copy_rows
+    return resolve_rows, load_rows, store_rows

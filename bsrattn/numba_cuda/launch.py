@@ -1,8 +1,9 @@
 """Launch geometry: the tier's named tile sizes, on a GPU and under the CUDA simulator.
 
 On a GPU the sizes are chosen for bandwidth (the Quest decode workload of ``BENCHMARKS.md``): 4 warps per
-block, 64 keys gathered per step (with fp16 and head_dim 128 the K and V tiles are 33 KB of shared memory,
-so several blocks share an SM and their loads overlap), 4 resident blocks per SM per KV head. The simulator
+block, 64 keys gathered per step (with fp16 and head_dim 128 the K and V tiles are 33 KB of shared memory),
+the next tile's loads in flight while a tile is computed, and a plan balanced over the blocks that are
+resident at once. ``tests/gpu_numba_check.py`` times them. The simulator
 runs every CUDA thread as a Python thread, so there the same kernels run with one warp's worth of threads,
 8-key tiles and 4 CTAs, which still exercises multi-tile rows, query sub-tiles and split KV at tiny sizes.
 """
@@ -10,7 +11,9 @@ runs every CUDA thread as a Python thread, so there the same kernels run with on
 from __future__ import annotations
 
 import sys
+import threading
 
+import numpy as np
 from numba import cuda
 from numba.cuda.core import config
 
@@ -28,7 +31,9 @@ else:
     MAX_QUERIES = 16
     KV_ALIGN = 16         # one page of 16: Quest/paged chunks then start on page boundaries
     MERGE_THREADS = 128
-CTAS_PER_SM = 4           # resident attention blocks per SM that the plan is balanced over (GPU)
+CTAS_PER_SM = 2           # resident attention blocks per SM that the plan is balanced over (GPU): the
+                          # fp16 head_dim-128 decode kernel takes ~250 registers a thread, so 2 blocks fit
+MIN_BLOCKS_PER_SM = 0     # launch bound asking the compiler to fit this many blocks per SM (0: its choice)
 SIMULATED_CTAS = 4        # CTAs per KV head in the simulator
 SHARED_MEMORY_LIMIT = 48 * 1024  # static shared memory one block may declare
 
@@ -44,6 +49,14 @@ def num_ctas(num_kv_heads: int) -> int:
 def blocks_for(n: int, threads: int = MERGE_THREADS) -> int:
     """Blocks of ``threads`` covering ``n`` elements (at least one)."""
     return max(1, -(-n // threads))
+
+
+def kernel(fn, threads: int, min_blocks: int = 0):
+    """``fn`` as a kernel launched with ``threads`` threads a block; ``min_blocks > 0`` also asks the compiler
+    to fit that many blocks on an SM (a launch bound: it caps registers, possibly spilling)."""
+    if SIMULATOR:
+        return cuda.jit(fn)
+    return cuda.jit(fn, launch_bounds=(threads, min_blocks) if min_blocks else threads)
 
 
 def device(fn):
@@ -73,3 +86,38 @@ def run(kernel, grid, threads, *args):
         kernel[grid, threads](*args)
     finally:
         sys.setswitchinterval(previous)
+
+
+def _thread_safe_simulated_shared_memory():
+    """Make the simulator's ``cuda.shared.array`` safe for the threads of one block.
+
+    The simulator keys a block's shared arrays by the calling source line and creates one on first use with
+    an unlocked check-then-set, so two threads allocating at the same moment can each get their own array
+    (seen here about once in a hundred launches: a block whose threads no longer share ``q_tile``). This is
+    the same lookup under a lock, keyed by the caller's frame (which is also much cheaper than the
+    simulator's full stack extraction). Dynamic shared memory (``shape == 0``) is left to the simulator.
+    """
+    from numba.cuda import types
+    from numba.cuda.np import numpy_support
+    from numba.cuda.simulator import kernelapi
+
+    simulated = kernelapi.FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return simulated(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            found = self._allocations.get(site)
+            if found is None:
+                dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else dtype
+                found = self._allocations[site] = np.empty(shape, dtype)
+        return found
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+if SIMULATOR:
+    _thread_safe_simulated_shared_memory()

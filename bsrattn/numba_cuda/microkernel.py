@@ -19,6 +19,10 @@ loads. Work is spread over threads by flat index: (query, key) pairs for scores 
 (float64 for float64 inputs); fp16/bf16/fp8 elements are decoded as they are read.
 
 FlashSigmoid (``Variant.sigmoid_bias``) skips the softmax: ``p_j = sigmoid(s_j + bias)`` and ``acc`` only adds.
+
+The innermost loops (over ``head_dim`` and over a tile's keys) are counted ``while`` loops: Numba lowers
+``range()`` to an iterator whose trip counter LLVM does not fold away, about 20 instructions per step of a
+dot product, where the ``while`` loop compiles to load, load, convert, FMA.
 """
 
 from __future__ import annotations
@@ -74,9 +78,10 @@ def make_microkernel(cfg):
                 visible = mask[mask_offset(mask_start, kv_len, local_q, k_pos)]
             s = neg_inf
             if visible:
-                dot = zero
-                for d in range(head_dim):
+                dot, d = zero, 0
+                while d < head_dim:
                     dot += q_tile[i, d] * decode_kv(k_el[j, d])
+                    d += 1
                 s = dot * score_scale
                 if soft_cap:
                     s = cap * math.tanh(s / cap)
@@ -99,9 +104,10 @@ def make_microkernel(cfg):
             if sigmoid:
                 p_tile[i, j] = one / (one + math.exp(-(s + sigmoid_bias))) if s != neg_inf else zero
             else:
-                m_new = m_run[i]
-                for jj in range(tile_kv):
+                m_new, jj = m_run[i], 0
+                while jj < tile_kv:
                     m_new = max(m_new, s_tile[i, jj])
+                    jj += 1
                 m_safe = m_new if m_new != neg_inf else zero
                 p_tile[i, j] = math.exp(s - m_safe)
                 if j == 0:
@@ -114,18 +120,20 @@ def make_microkernel(cfg):
         and ``m = m_new``. (Sigmoid: ``p_tile`` holds the weights and nothing is rescaled.)"""
         if not sigmoid:
             for i in range(t, nq, threads):
-                total = l_run[i] * alpha[i]
-                for j in range(tile_kv):
+                total, j = l_run[i] * alpha[i], 0
+                while j < tile_kv:
                     total += p_tile[i, j]
+                    j += 1
                 l_run[i] = total
                 m_run[i] = m_next[i]
         for n in range(acc_per_thread):
             e = t + n * threads
             i, d = e // head_dim, e % head_dim
             if i < nq:
-                a = acc[n] if sigmoid else acc[n] * alpha[i]
-                for j in range(tile_kv):
+                a, j = (acc[n] if sigmoid else acc[n] * alpha[i]), 0
+                while j < tile_kv:
                     a += p_tile[i, j] * decode_kv(v_el[j, d])
+                    j += 1
                 acc[n] = a
 
     @device
