@@ -13,6 +13,8 @@ One runner's workspace serves one launch at a time.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -43,6 +45,11 @@ class Runner:
         if isinstance(previous, Runner) and previous.buffers.fits(need, *shape):
             buffers = previous.buffers
         else:
+            if isinstance(previous, Runner):
+                warnings.warn(f"the plan needs {need}, beyond the previous plan's buffers "
+                              f"({previous.buffers.capacity}, heads/dim/device {previous.buffers.shape_key}); "
+                              f"new buffers were allocated, so recapture any CUDA graph taken on the old ones "
+                              f"(plan the largest step first to avoid this)", RuntimeWarning, stacklevel=3)
             buffers = PlanBuffers(need.grown(), *shape)
         buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
         self.spec = spec
