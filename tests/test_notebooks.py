@@ -14,6 +14,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import pathlib
+import re
 import time
 
 import pytest
@@ -26,6 +27,7 @@ NOTEBOOKS = ROOT / "notebooks"
 RESULTS = ROOT / "benchmarks" / "results"
 PATHS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 TIMEOUT_PER_CELL_S = 180
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours of IPython tracebacks
 
 
 def execute(path):
@@ -37,7 +39,7 @@ def execute(path):
     try:
         client.execute()
     except Exception as exc:  # the failing cell's error goes back to the test that owns the notebook
-        return nb, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"
+        return nb, time.perf_counter() - start, ANSI.sub("", f"{type(exc).__name__}: {exc}")
     return nb, time.perf_counter() - start, None
 
 
