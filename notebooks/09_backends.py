@@ -160,8 +160,10 @@ plt.show()
 
 # %% [markdown]
 # **Stage 1, the gather.** One block gathers the first KV tile of request 0 for KV head 1: `resolve_rows` turns
-# logical slots into storage rows through the page table (the sparse path), `copy_rows` copies those rows into
-# shared memory. A tiny kernel written here runs just those two device functions and copies the shared tile out.
+# logical slots into storage rows through the page table (the sparse path), `load_rows` brings each thread's
+# share of those rows into its registers (the executor issues these loads a tile ahead, so they travel while the
+# previous tile is computed), and `store_rows` writes them into shared memory. A tiny kernel written here runs
+# just those three device functions and copies the shared tile out.
 
 # %%
 from numba import cuda
@@ -170,7 +172,7 @@ from bsrattn.numba_cuda.gather import make_gather, rows_view
 from bsrattn.reference.gather import gather, kv_as_slots
 
 cfg = runner.config("float32", "float32", "NHD", word_size=4)
-resolve_rows, copy_rows = make_gather(cfg)
+resolve_rows, load_rows, store_rows = make_gather(cfg)
 TILE, STRIDE, ROW_WORDS, WORD, STAGED = cfg.tile_kv, cfg.row_stride, cfg.row_words, cfg.word, cfg.words_per_thread
 
 
@@ -186,11 +188,12 @@ def gather_one_tile(k_words, v_words, kv_indices, row_block_start, block_size, k
     v_staged = cuda.local.array(STAGED, WORD)
     resolve_rows(t, tile_rows, kv_indices, row_block_start, 0, block_size, num_kv_heads, kv_head, kv0, kv_end)
     cuda.syncthreads()
-    copy_rows(t, k_staged, v_staged, k_tile, v_tile, k_words, v_words, tile_rows)
+    load_rows(t, k_staged, v_staged, k_words, v_words, tile_rows)
+    store_rows(t, k_staged, v_staged, k_tile, v_tile)
     cuda.syncthreads()
-    for e in range(cuda.threadIdx.x, TILE * ROW_WORDS, cuda.blockDim.x):
+    for e in range(t, TILE * ROW_WORDS, cuda.blockDim.x):
         k_out[e // ROW_WORDS, e % ROW_WORDS] = k_tile[e // ROW_WORDS, e % ROW_WORDS]
-    for j in range(cuda.threadIdx.x, TILE, cuda.blockDim.x):
+    for j in range(t, TILE, cuda.blockDim.x):
         rows_out[j] = tile_rows[j]
 
 
