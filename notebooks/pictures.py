@@ -63,11 +63,12 @@ def draw_row_tiles(ax, layout, tile_q, tile_kv, variant=None, title=""):
     Unlike :func:`draw_layout`, tiles start at each request's own first query and first key, as a kernel's
     do: a tile never straddles two requests. Tiles with no visible pair are skipped, as a kernel skips them.
     """
-    draw_mask(ax, layout.to_dense_mask(variant), title=title, row_owner=row_owner(layout))
+    mask = layout.to_dense_mask(variant)
+    draw_mask(ax, mask, title=title, row_owner=row_owner(layout))
     for r in range(layout.num_rows):
         slots = layout.kv_slots(r)
         qs, qe = int(layout.qo_indptr[r]), int(layout.qo_indptr[r + 1])
-        visible = layout.to_dense_mask(variant)[qs:qe][:, slots]
+        visible = mask[qs:qe][:, slots]
         for q0 in range(0, qe - qs, tile_q):
             for k0 in range(0, slots.size, tile_kv):
                 if not visible[q0:q0 + tile_q, k0:k0 + tile_kv].any():
