@@ -66,68 +66,60 @@ def _install_recorder():
 
 
 def _calls():
-    """Representative calls through the public API: (description, thunk)."""
+    """Representative calls through the public API, ``(description, thunk)``: together they switch on every
+    compile-time feature of the attention kernel (each variant feature, custom mask, sigmoid, dense and sparse
+    paths, NHD / HND / 3-D storage, every dtype, GQA ratios, query sub-tiles) and reach every merge kernel."""
     import bsrattn as ba
 
     rng = np.random.default_rng(0)
-    d, hq, hkv = 128, 8, 2
+    d = 128
 
-    def qkv(layout, q_dtype=np.float16, kv_dtype=np.float16, hnd=False, flat=False, heads=(hq, hkv)):
-        q = rng.standard_normal((layout.nnz_qo, heads[0], d)).astype(q_dtype)
-        shape = ((layout.num_blocks, heads[1], layout.block_size, d) if hnd else
-                 (layout.num_slots, heads[1], d) if flat else (layout.num_blocks, layout.block_size, heads[1], d))
+    def tensors(layout, hq, hkv, q_dtype, kv_dtype, storage="NHD"):
+        q = rng.standard_normal((layout.nnz_qo, hq, d)).astype(q_dtype)
+        shape = {"NHD": (layout.num_blocks, layout.block_size, hkv, d), "flat": (layout.num_slots, hkv, d),
+                 "HND": (layout.num_blocks, hkv, layout.block_size, d)}[storage]
         k, v = (rng.standard_normal(shape).astype(kv_dtype) for _ in range(2))
         return q, k, v
 
-    paged = ba.layouts.paged([1, 3, 2], [[5, 1, 7], [0, 3], [6, 4]], [40, 20, 30], 16, 8)
-    ragged = ba.layouts.ragged([4, 1], [60, 9])
-    tree = ba.layouts.tree([[-1, 0, 0, 1]], [[2, 0, 1]], [40], 16, 3)
-    quest = ba.layouts.quest([[3, 1, 0, 2]], [60], [[[0, 2], [1, 3]]], 16, 4, hkv)
-    cascade = ba.layouts.shared_prefix([1, 2], [0, 1], 32, [[2], [3]], [5, 9], 16, 4)
-    variants = {
-        "plain": ba.Variant(), "causal": ba.Variant(causal=True), "window": ba.Variant(causal=True, window_left=8),
-        "soft_cap": ba.Variant(logits_soft_cap=30.0), "alibi": ba.Variant(alibi_slopes=[0.5] * hq),
-        "sigmoid": ba.Variant(sigmoid_bias=-1.0),
-    }
-    calls = []
-    for name, variant in variants.items():
-        calls.append((f"paged fp16 {name}", lambda v=variant: ba.attention(*qkv(paged), paged, variant=v,
-                                                                            backend="numba", return_lse=not v.use_sigmoid)))
-    for q_dtype, kv_dtype in [(np.float32, np.float32), (np.float64, np.float64), (ml_dtypes.bfloat16,) * 2,
-                              (np.float16, ml_dtypes.float8_e4m3fn), (ml_dtypes.bfloat16, ml_dtypes.float8_e5m2)]:
-        scales = dict(k_scale=0.5, v_scale=2.0) if np.dtype(kv_dtype).itemsize == 1 else {}
-        calls.append((f"paged {np.dtype(q_dtype).name}/{np.dtype(kv_dtype).name}",
-                      lambda a=q_dtype, b=kv_dtype, s=scales: ba.attention(*qkv(paged, a, b), paged, backend="numba",
-                                                                          return_lse=True, **s)))
-    calls.append(("paged HND", lambda: ba.attention(*qkv(paged, hnd=True), paged, kv_layout="HND", backend="numba")))
-    calls.append(("ragged (dense path), 3-D k/v", lambda: ba.attention(*qkv(ragged, flat=True), ragged,
-                                                                      variant=ba.Variant(causal=True), backend="numba")))
-    calls.append(("tree (custom mask)", lambda: ba.attention(*qkv(tree), tree, variant=ba.Variant(causal=True),
-                                                             backend="numba")))
-    def quest_call():
-        q = rng.standard_normal((1, hq, d)).astype(np.float16)
-        k, v = (rng.standard_normal((4, hkv, 16, d)).astype(np.float16) for _ in range(2))
-        return ba.attention(*ba.layouts.per_head_views(q, k, v, hkv), quest, backend="numba")
-
-    calls.append(("quest per-head views", quest_call))
-    calls.append(("GQA 32/1 decode", lambda: ba.attention(*qkv(paged, heads=(32, 1)), paged, backend="numba")))
-    calls.append(("cascade", lambda: ba.attention(*qkv(cascade.levels[0]), cascade, backend="numba")))
-    calls.append(("sigmoid cascade", lambda: ba.attention(*qkv(cascade.levels[0]), cascade, backend="numba",
-                                                          variant=ba.Variant(sigmoid_bias=0.5))))
-    calls.append(("merge_states bf16", lambda: ba.merge_states(
-        rng.standard_normal((3, 4, hq, d)).astype(ml_dtypes.bfloat16), np.zeros((3, 4, hq), np.float32),
-        backend="numba")))
-    calls.append(("merge_state fp16", lambda: ba.merge_state(
-        np.zeros((3, hq, d), np.float16), np.zeros((3, hq), np.float32), np.ones((3, hq, d), np.float16),
-        np.zeros((3, hq), np.float32), backend="numba")))
-
-    def batch_attention(layout, **options):
+    def planned(layout, hq, hkv, variant, q_dtype, kv_dtype, storage="NHD", **run_kwargs):
         attn = ba.BatchAttention(backend="numba")
-        attn.plan(layout, hq, hkv, d, variant=ba.Variant(causal=True), **options)
-        return attn.run(*qkv(layout), return_lse=True)
+        attn.plan(layout, hq, hkv, d, variant=variant, kv_layout="HND" if storage == "HND" else "NHD", num_ctas=4,
+                  fixed_split_size=16)
+        return attn.run(*tensors(layout, hq, hkv, q_dtype, kv_dtype, storage), return_lse=not variant.use_sigmoid,
+                        **run_kwargs)
 
-    calls.append(("BatchAttention fixed splits", lambda: batch_attention(paged, num_ctas=4, fixed_split_size=16)))
-    return calls
+    def quest_decode(num_kv_heads, group, dtype):
+        layout = ba.layouts.quest([[3, 1, 0, 2]], [60], [[[0, 2]] * num_kv_heads], 16, 4, num_kv_heads)
+        q = rng.standard_normal((1, num_kv_heads * group, d)).astype(dtype)
+        k, v = (rng.standard_normal((4, num_kv_heads, 16, d)).astype(dtype) for _ in range(2))
+        return ba.attention(*ba.layouts.per_head_views(q, k, v, num_kv_heads), layout, backend="numba")
+
+    paged = ba.layouts.paged([1, 3, 2], [[5, 1, 7], [0, 3], [6, 4]], [40, 20, 30], 16, 8)
+    tree = ba.layouts.tree([[-1, 0, 0, 1]], [[2, 0, 1]], [40], 16, 3)
+    ragged = ba.layouts.ragged([4, 1], [60, 9])
+    every_softmax_feature = ba.Variant(causal=True, window_left=8, logits_soft_cap=30.0, alibi_slopes=[0.5] * 8)
+    return [
+        ("paged fp16, every softmax feature", lambda: planned(paged, 8, 2, every_softmax_feature, np.float16,
+                                                              np.float16)),
+        ("tree fp16/e4m3, mask, sigmoid", lambda: planned(tree, 8, 2, ba.Variant(sigmoid_bias=-1.0), np.float16,
+                                                          ml_dtypes.float8_e4m3fn, k_scale=0.5, v_scale=2.0)),
+        ("ragged fp64, dense path, 3-D", lambda: planned(ragged, 4, 4, ba.Variant(causal=True), np.float64,
+                                                         np.float64, "flat")),
+        ("paged HND bf16/e5m2", lambda: planned(paged, 8, 2, ba.Variant(), ml_dtypes.bfloat16, ml_dtypes.float8_e5m2,
+                                                "HND", k_scale=0.5, v_scale=2.0)),
+        ("paged bf16/bf16", lambda: ba.attention(*tensors(paged, 8, 1, ml_dtypes.bfloat16, ml_dtypes.bfloat16), paged,
+                                                 backend="numba")),
+        ("quest fp32, GQA 4", lambda: quest_decode(2, 4, np.float32)),
+        ("quest fp16 decode, 32 heads (W1)", lambda: quest_decode(32, 1, np.float16)),
+        ("merge_state fp16", lambda: ba.merge_state(
+            np.zeros((3, 8, d), np.float16), np.zeros((3, 8), np.float32), np.ones((3, 8, d), np.float16),
+            np.zeros((3, 8), np.float32), backend="numba")),
+        ("merge_states bf16", lambda: ba.merge_states(
+            rng.standard_normal((3, 4, 8, d)).astype(ml_dtypes.bfloat16), np.zeros((3, 4, 8), np.float32),
+            backend="numba")),
+        ("add_states fp32", lambda: ba.get_backend("numba").add_states(np.zeros((3, 8, d), np.float32),
+                                                                       np.ones((3, 8, d), np.float32))),
+    ]
 
 
 def _local_memory_lines(ptx: str) -> list:

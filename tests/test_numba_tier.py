@@ -1,0 +1,415 @@
+"""The numba tier against the reference, under the CUDA simulator at tiny sizes (on a GPU: for real).
+
+What the cross-tier tests (``test_tiers.py``) do not single out: each layout kind by name, each ``Variant``
+field, GQA ratios and storage orders, every dtype including the bit-decoded bf16 and fp8, both load paths
+(sparse and affine) giving the same bits, plans with forced splits and query sub-tiles, the merge kernels,
+array kinds and ``out=`` buffers, and the errors the tier raises itself. Sizes are tens of keys and
+head_dim 8: the simulator runs every CUDA thread as a Python thread.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import bsrattn as ba
+from bsrattn import scheduler
+from bsrattn.testing import assert_close
+
+pytest.importorskip("numba.cuda", reason="the numba tier needs numba-cuda")
+from numba import cuda  # noqa: E402
+
+from bsrattn.numba_cuda import executor, formats, gather, launch  # noqa: E402
+from bsrattn.numba_cuda import make_runner, plan_options  # noqa: E402
+from bsrattn.validation import make_spec  # noqa: E402
+
+NP = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+      "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+D = 8
+
+
+def _host(x):
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+
+
+def _check(layout, q, k, v, *, variant=ba.Variant(), kv_layout="NHD", dtype="float32", op_dtype=None, **kwargs):
+    """``ba.attention`` on the numba tier against the reference on the same (rounded) inputs."""
+    want_lse = not variant.use_sigmoid
+    ref_inputs = (q, k, v) if "k_scale" in kwargs else tuple(np.asarray(x, np.float64) for x in (q, k, v))
+    want = ba.attention(*ref_inputs, layout, variant=variant, kv_layout=kv_layout, backend="reference",
+                        return_lse=want_lse, **kwargs)
+    got = ba.attention(q, k, v, layout, variant=variant, kv_layout=kv_layout, backend="numba", return_lse=want_lse,
+                       **kwargs)
+    got_o, got_lse = got if want_lse else (got, None)
+    want_o, want_l = want if want_lse else (want, None)
+    op_dtype = op_dtype or dtype
+    assert _host(got_o).dtype == np.asarray(q).dtype
+    assert_close(_host(got_o).astype(np.float64), want_o, "attention", op_dtype, name="out")
+    if want_lse:
+        assert_close(_host(got_lse), want_l, "lse", op_dtype, name="lse")
+    return got
+
+
+def _tensors(rng, n_q, hq, kv_shape, dtype="float32"):
+    q = rng.standard_normal((n_q, hq, D)).astype(NP[dtype])
+    k, v = (rng.standard_normal(kv_shape).astype(NP[dtype]) for _ in range(2))
+    return q, k, v
+
+
+PAGED = dict(qo_lens=[3, 1, 2], page_tables=[[5, 1, 7, 2], [0, 3], [6, 4]], kv_lens=[29, 12, 11], page_size=8,
+             num_pages=8)
+
+
+def _paged(rng, hq=4, hkv=2, dtype="float32", hnd=False):
+    layout = ba.layouts.paged(**PAGED)
+    shape = (8, hkv, 8, D) if hnd else (8, 8, hkv, D)
+    return (layout, *_tensors(rng, layout.nnz_qo, hq, shape, dtype))
+
+
+# ---- every layout kind ----------------------------------------------------------------------------------
+
+def _layout_case(kind, rng):
+    """``(layout, q, k, v, kv_layout, variant)`` for one named tiny case of each constructor."""
+    causal = ba.Variant(causal=True)
+    if kind == "dense":
+        layout = ba.layouts.dense(4, 21)
+        return (layout, *_tensors(rng, 4, 2, (21, 1, D)), "NHD", causal)
+    if kind == "ragged":
+        layout = ba.layouts.ragged([2, 0, 3], [20, 5, 3])
+        return (layout, *_tensors(rng, 5, 4, (28, 2, D)), "NHD", causal)
+    if kind == "paged":
+        return (*_paged(rng), "NHD", causal)
+    if kind == "block_sparse":
+        mask = rng.random((5, 2, 4)) < 0.7
+        layout = ba.layouts.block_sparse([0, 3, 3, 5], [0, 2, 5, 1, 4], M=6, N=24, R=2, C=4, mask=mask)
+        return (layout, *_tensors(rng, 6, 2, (6, 4, 1, D)), "NHD", ba.Variant())
+    if kind == "vector_sparse":
+        layout = ba.layouts.vector_sparse([[9, 2, 30, 5, 17, 11, 0, 3, 25], [4, 4, 8]], [2, 1], num_slots=32)
+        return (layout, *_tensors(rng, 3, 2, (32, 2, D)), "NHD", causal)
+    if kind == "quest":
+        layout = ba.layouts.quest([[2, 0, 1, 3], [4, 5]], [30, 12], [[[0, 3], [1, 2, 3]], [[1], [0, 1]]],
+                                  page_size=8, num_pages=6, num_kv_heads=2)
+        q, k, v = _tensors(rng, 2, 4, (6, 2, 8, D))
+        q, k, v = ba.layouts.per_head_views(q, k, v, 2)
+        return layout, q, k, v, "NHD", ba.Variant()
+    if kind == "tree":
+        layout = ba.layouts.tree([[-1, 0, 0, 1], [-1, -1]], [[1, 0, 3], [2]], kv_lens=[19, 3], page_size=8,
+                                 num_pages=4)
+        return (layout, *_tensors(rng, 6, 2, (4, 8, 1, D)), "NHD", causal)
+    if kind == "shared_prefix":
+        layout = ba.layouts.shared_prefix([1, 2], [0, 1], 13, [[2], [3]], [5, 8], page_size=8, num_pages=4)
+        return (layout, *_tensors(rng, 3, 2, (4, 8, 1, D)), "NHD", causal)
+    raise AssertionError(kind)
+
+
+KINDS = ("dense", "ragged", "paged", "block_sparse", "vector_sparse", "quest", "tree", "shared_prefix")
+
+
+def test_kinds_are_every_constructor():
+    assert set(KINDS) == set(ba.layouts.__all__) - {"per_head_views"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_layout_kind(kind):
+    layout, q, k, v, kv_layout, variant = _layout_case(kind, np.random.default_rng(1))
+    _check(layout, q, k, v, variant=variant, kv_layout=kv_layout)
+
+
+# ---- every Variant field, GQA, storage orders -------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", [
+    ba.Variant(sm_scale=0.9),
+    ba.Variant(causal=True),
+    ba.Variant(causal=True, window_left=3),
+    ba.Variant(window_left=0),
+    ba.Variant(logits_soft_cap=2.0, sm_scale=1.5),
+    ba.Variant(causal=True, alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
+    ba.Variant(sigmoid_bias=-0.5),
+    ba.Variant(causal=True, window_left=5, logits_soft_cap=3.0, alibi_slopes=[0.3, 0.2, 0.1, 0.05]),
+], ids=["sm_scale", "causal", "window", "window0", "soft_cap", "alibi", "sigmoid", "combined"])
+def test_every_variant_field(variant):
+    layout, q, k, v = _paged(np.random.default_rng(2))
+    _check(layout, q, k, v, variant=variant)
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2), (6, 1)])
+@pytest.mark.parametrize("storage", ["NHD", "HND"])
+def test_gqa_ratios_and_storage(hq, hkv, storage):
+    layout, q, k, v = _paged(np.random.default_rng(3), hq=hq, hkv=hkv, hnd=storage == "HND")
+    _check(layout, q, k, v, variant=ba.Variant(causal=True), kv_layout=storage)
+
+
+def test_three_d_kv_for_block_size_one():
+    rng = np.random.default_rng(4)
+    layout = ba.layouts.vector_sparse([[3, 1, 4, 15, 9, 2, 6], [5, 3]], [2, 1], num_slots=16)
+    q, k, v = _tensors(rng, 3, 4, (16, 2, D))
+    _check(layout, q, k, v)
+    _check(layout, q, k[:, None], v[:, None])  # the same pool as [N, 1, Hkv, D]
+
+
+# ---- dtypes -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
+def test_dtypes(dtype):
+    layout, q, k, v = _paged(np.random.default_rng(5), dtype=dtype)
+    _check(layout, q, k, v, variant=ba.Variant(causal=True), dtype=dtype)
+
+
+@pytest.mark.parametrize("q_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_kv_with_scales(q_dtype, kv_dtype):
+    rng = np.random.default_rng(6)
+    layout, q, k, v = _paged(rng, dtype="float32")
+    q = q.astype(NP[q_dtype])
+    k, v = (x.astype(NP[kv_dtype]) for x in (k * 2, v * 4))
+    _check(layout, q, k, v, variant=ba.Variant(causal=True), dtype=q_dtype, op_dtype=kv_dtype, k_scale=0.5,
+           v_scale=0.25)
+
+
+def test_float64_is_computed_in_float64():
+    layout, q, k, v = _paged(np.random.default_rng(7), dtype="float64")
+    out, lse = ba.attention(q, k, v, layout, backend="numba", return_lse=True)
+    want_o, want_lse = ba.attention(q, k, v, layout, return_lse=True)
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    assert_close(out, want_o, "attention", "float64")
+    assert_close(lse, want_lse, "lse", "float64")
+
+
+# ---- the two load paths -------------------------------------------------------------------------------------
+
+def test_dense_and_sparse_paths_give_the_same_bits():
+    """The same keys in the same order: contiguous (a ragged layout, the affine path) or scattered through the
+    pool (a vector-sparse layout, the sparse path). Only addressing differs, so the bits must not."""
+    rng = np.random.default_rng(8)
+    dense = ba.layouts.ragged([3, 2], [21, 9])
+    where = rng.permutation(30)  # key s of the contiguous pool lives at slot where[s] of the scattered one
+    sparse = ba.layouts.vector_sparse([where[:21], where[21:]], [3, 2], num_slots=30)
+    assert gather.affine_row_starts(dense) is not None and gather.affine_row_starts(sparse) is None
+    q, k, v = _tensors(rng, 5, 2, (30, 1, D))
+    k_scattered, v_scattered = np.empty_like(k), np.empty_like(v)
+    k_scattered[where], v_scattered[where] = k, v
+    variant = ba.Variant(causal=True)
+    a = ba.attention(q, k, v, dense, backend="numba", variant=variant, return_lse=True)
+    b = ba.attention(q, k_scattered, v_scattered, sparse, backend="numba", variant=variant, return_lse=True)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_affine_row_starts():
+    assert gather.affine_row_starts(ba.layouts.ragged([1, 2, 0], [5, 0, 3])).tolist() == [0, 0, 5]
+    pages = ba.layouts.paged([1, 1], [[2, 3], [0]], [20, 5], page_size=16, num_pages=4)
+    assert gather.affine_row_starts(pages).tolist() == [32, 0]
+    assert gather.affine_row_starts(ba.layouts.paged([1], [[3, 2]], [20], page_size=16, num_pages=4)) is None
+
+
+def test_copy_word_respects_row_size_and_alignment():
+    assert gather.copy_word(256, 0, 4096).itemsize == 8
+    assert gather.copy_word(12, 0).itemsize == 4
+    assert gather.copy_word(256, 2).itemsize == 2
+    assert gather.copy_word(3, 0).itemsize == 1
+
+
+# ---- plans: splits, sub-tiles, determinism ---------------------------------------------------------------
+
+def _plan_run(layout, q, k, v, work_plan, variant=ba.Variant(causal=True), hq=4, hkv=2):
+    spec = make_spec(layout, hq, hkv, D, variant)
+    return make_runner(spec, work_plan).run(q, k, v, return_lse=not variant.use_sigmoid)
+
+
+@pytest.mark.parametrize("plan_kwargs", [
+    dict(num_ctas=4, tile_q=1, fixed_split_size=3),
+    dict(num_ctas=3, tile_q=2, fixed_split_size=7),
+    dict(num_ctas=2, tile_q=8),                      # query rows beyond the kernel's sub-tile: it loops
+    dict(num_ctas=5, tile_q=3, disable_split_kv=True),
+], ids=["splits-of-3", "splits-of-7", "tall-tiles", "no-split"])
+def test_plans_agree_with_the_reference(plan_kwargs):
+    rng = np.random.default_rng(9)
+    layout, q, k, v = _paged(rng)
+    work_plan = scheduler.plan(layout.qo_lens, layout.kv_lens, **plan_kwargs)
+    out, lse = _plan_run(layout, q, k, v, work_plan)
+    want_o, want_lse = ba.attention(q, k, v, layout, variant=ba.Variant(causal=True), return_lse=True)
+    assert_close(out, want_o, "attention", "float32")
+    assert_close(lse, want_lse, "lse", "float32")
+    if not plan_kwargs.get("disable_split_kv"):
+        assert work_plan.num_merges > 0
+
+
+def test_split_sigmoid_adds_partials():
+    rng = np.random.default_rng(10)
+    layout, q, k, v = _paged(rng)
+    variant = ba.Variant(sigmoid_bias=0.3)
+    work_plan = scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=4, fixed_split_size=5)
+    out, lse = _plan_run(layout, q, k, v, work_plan, variant=variant)
+    assert lse is None
+    assert_close(out, ba.attention(q, k, v, layout, variant=variant), "attention", "float32")
+
+
+def test_same_plan_same_bits_and_plans_agree():
+    rng = np.random.default_rng(11)
+    layout, q, k, v = _paged(rng)
+    plans = [scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=n, fixed_split_size=s)
+             for n, s in ((4, 3), (2, 16))]
+    runs = [_plan_run(layout, q, k, v, p) for p in (plans[0], plans[0], plans[1])]
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    assert_close(runs[2][0], runs[0][0], "attention", "float32")
+
+
+def test_batch_attention_replans_in_place():
+    rng = np.random.default_rng(12)
+    attn = ba.BatchAttention(backend="numba")
+    for kv_lens in ([29, 12, 11], [3, 16, 9]):
+        layout = ba.layouts.paged(PAGED["qo_lens"], PAGED["page_tables"], kv_lens, 8, 8)
+        attn.plan(layout, 4, 2, D, variant=ba.Variant(causal=True), num_ctas=3, fixed_split_size=4)
+        _, q, k, v = _paged(rng)
+        out = attn.run(q, k, v)
+        assert_close(out, ba.attention(q, k, v, layout, variant=ba.Variant(causal=True)), "attention", "float32")
+
+
+def test_plan_options():
+    spec = make_spec(ba.layouts.paged(**PAGED), 8, 2, D)
+    options = plan_options(spec)
+    assert options["tile_q"] == executor.query_tile_rows(4)
+    assert options["kv_align"] == launch.KV_ALIGN and options["num_ctas"] >= 1
+
+
+# ---- cascade and masked rows ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", [ba.Variant(causal=True), ba.Variant(sigmoid_bias=-1.0)],
+                         ids=["softmax", "sigmoid"])
+def test_cascade_through_attention_and_batch_attention(variant):
+    rng = np.random.default_rng(13)
+    layout, q, k, v, _, _ = _layout_case("shared_prefix", rng)
+    _check(layout, q, k, v, variant=variant)
+    attn = ba.BatchAttention(backend="numba")
+    attn.plan(layout, 2, 1, D, variant=variant, num_ctas=2, fixed_split_size=4)
+    want = ba.attention(q, k, v, layout, variant=variant)
+    assert_close(attn.run(q, k, v), want, "attention", "float32")
+
+
+def test_rows_that_see_no_key():
+    """Causal with qo_len > kv_len, an empty row and a query-less row: out = 0, lse = -inf where nothing is seen."""
+    rng = np.random.default_rng(14)
+    layout = ba.layouts.ragged([4, 2, 0, 1], [2, 0, 3, 5])
+    q, k, v = _tensors(rng, 7, 2, (10, 1, D))
+    out, lse = _check(layout, q, k, v, variant=ba.Variant(causal=True))
+    unseen = [0, 1, 4, 5]  # positions -2, -1 of row 0; the empty row 1
+    assert (out[unseen] == 0).all() and (lse[unseen] == -np.inf).all()
+    assert np.isfinite(lse[[2, 3, 6]]).all()
+
+
+# ---- array kinds and buffers ----------------------------------------------------------------------------------
+
+def test_device_arrays_in_device_arrays_out():
+    rng = np.random.default_rng(15)
+    layout, q, k, v = _paged(rng)
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    out, lse = ba.attention(dq, dk, dv, layout, backend="numba", return_lse=True)
+    assert type(out) is type(dq) and type(lse) is type(dq)
+    host_o, host_lse = ba.attention(q, k, v, layout, backend="numba", return_lse=True)
+    np.testing.assert_array_equal(out.copy_to_host(), host_o)
+    np.testing.assert_array_equal(lse.copy_to_host(), host_lse)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "device"])
+def test_out_and_lse_buffers(kind):
+    rng = np.random.default_rng(16)
+    layout, q, k, v = _paged(rng)
+    place = (lambda x: x) if kind == "numpy" else cuda.to_device
+    out, lse = place(np.full(q.shape, np.nan, np.float32)), place(np.full(q.shape[:2], np.nan, np.float32))
+    got_o, got_lse = ba.attention(place(q), place(k), place(v), layout, backend="numba", out=out, lse=lse,
+                                  return_lse=True)
+    assert got_o is out and got_lse is lse
+    want_o, want_lse = ba.attention(q, k, v, layout, return_lse=True)
+    assert_close(_host(out), want_o, "attention", "float32")
+    assert_close(_host(lse), want_lse, "lse", "float32")
+
+
+# ---- merge kernels -------------------------------------------------------------------------------------------
+
+def _states(rng, shape, dtype):
+    o = rng.standard_normal(shape).astype(NP[dtype])
+    lse = rng.uniform(-5, 5, shape[:-1]).astype(np.float32)
+    lse[rng.random(lse.shape) < 0.25] = -np.inf
+    return o, lse
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_merge_state(dtype):
+    from bsrattn.reference import merge_state
+
+    rng = np.random.default_rng(17)
+    (o_a, s_a), (o_b, s_b) = _states(rng, (5, 3, D), dtype), _states(rng, (5, 3, D), dtype)
+    s_a[0, 0] = s_b[0, 0] = -np.inf  # both empty: o = 0, lse = -inf
+    got_o, got_lse = ba.merge_state(o_a, s_a, o_b, s_b, backend="numba")
+    want_o, want_lse = merge_state(o_a.astype(np.float64), s_a, o_b.astype(np.float64), s_b)
+    assert got_o.dtype == o_a.dtype and got_lse.dtype == (np.float64 if dtype == "float64" else np.float32)
+    assert_close(got_o.astype(np.float64), want_o, "merge", dtype)
+    assert_close(got_lse, want_lse, "merge", "float32")
+    assert (got_o[0, 0] == 0).all() and got_lse[0, 0] == -np.inf
+
+
+@pytest.mark.parametrize("num_states", [1, 2, 5])
+def test_merge_states_folds_in_order(num_states):
+    from bsrattn.reference import merge_states
+
+    rng = np.random.default_rng(18)
+    o, lse = _states(rng, (3, num_states, 2, D), "float32")
+    got_o, got_lse = ba.merge_states(o, lse, backend="numba")
+    want_o, want_lse = merge_states(o.astype(np.float64), lse.astype(np.float64))
+    assert_close(got_o, want_o, "merge", "float32")
+    assert_close(got_lse, want_lse, "merge", "float32")
+
+
+def test_add_states():
+    from bsrattn.numba_cuda import add_states
+
+    rng = np.random.default_rng(19)
+    a, b = (rng.standard_normal((4, 2, D)).astype(np.float16) for _ in range(2))
+    np.testing.assert_array_equal(add_states(a, b), a + b)
+
+
+# ---- formats: bf16 and fp8 bits ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_decoders_match_ml_dtypes_on_every_bit_pattern(fmt):
+    decode = formats.decoder(fmt, np.float32)
+    if launch.SIMULATOR is False:
+        pytest.skip("device functions are callable from Python only under the simulator")
+    bits = np.arange(2 ** (8 * np.dtype(formats.BITS[fmt]).itemsize), dtype=np.int64).astype(formats.BITS[fmt])
+    got = np.array([decode(b) for b in bits], dtype=np.float32)
+    np.testing.assert_array_equal(got, bits.view(NP[fmt]).astype(np.float32))
+
+
+def test_bf16_encoder_rounds_to_nearest_even():
+    if not launch.SIMULATOR:
+        pytest.skip("device functions are callable from Python only under the simulator")
+    encode = formats.encoder("bfloat16")
+    rng = np.random.default_rng(20)
+    x = np.concatenate([rng.standard_normal(500) * 10.0 ** rng.integers(-40, 39, 500),
+                        [np.inf, -np.inf, np.nan, 3.4e38, 1e-45, 0.0, -0.0]]).astype(np.float32)
+    ties = ((np.arange(64, dtype=np.uint32) << 15) | np.uint32(0x3F800000)).view(np.float32)
+    x = np.concatenate([x, ties])
+    got = np.array([encode(v) for v in x], dtype=np.uint16)
+    np.testing.assert_array_equal(got, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+# ---- errors the tier raises itself ---------------------------------------------------------------------------------
+
+def test_unsupported_inputs_raise_clear_errors():
+    from bsrattn.numba_cuda import arrays
+
+    with pytest.raises(TypeError, match="does not support dtype int32"):
+        formats.format_of(np.zeros(2, np.int32))
+    with pytest.raises(TypeError, match="bfloat16 device array"):
+        arrays.device_array(cuda.to_device(np.zeros(4, ml_dtypes.bfloat16)), "q")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        arrays.device_array(cuda.to_device(np.zeros((4, 4), np.float32)).T, "k")
+    with pytest.raises(ValueError, match="head_dim=65536"):
+        executor.choose_tiles(1 << 16, 1, 4, 8, 4, 1)
+    with pytest.raises(TypeError, match="does not support dtype int16"):
+        ba.merge_states(np.zeros((1, 2, 1, D), np.int16), np.zeros((1, 2, 1), np.float32), backend="numba")
+    with pytest.raises(TypeError, match="cannot write merged states of dtype float8_e4m3fn"):
+        ba.merge_states(np.zeros((1, 2, 1, D), ml_dtypes.float8_e4m3fn), np.zeros((1, 2, 1), np.float32),
+                        backend="numba")
