@@ -141,8 +141,8 @@ def test_variants_with_split_plans(name):
     layout = paged_case(rng)
     q, k, v = pool(rng, layout.nnz_qo, 4, 16), pool(rng, layout.num_blocks, 8, 2, 16), pool(rng, layout.num_blocks, 8, 2, 16)
     want = reference_of(q, k, v, layout, variant)
-    attn = ba.BatchAttention(backend="torch")
     for options in (dict(num_ctas=2, fixed_split_size=13), dict(num_ctas=3, disable_split_kv=True)):
+        attn = ba.BatchAttention(backend="torch")
         attn.plan(layout, 4, 2, 16, variant=variant, **options)
         assert (attn.work_plans[0].num_merges > 0) == ("fixed_split_size" in options)
         got = attn.run(tensor(q), tensor(k), tensor(v), return_lse=not variant.use_sigmoid)
