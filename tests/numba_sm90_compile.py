@@ -24,8 +24,8 @@ import numpy as np
 if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
     sys.exit("run without NUMBA_ENABLE_CUDASIM: the simulator has no compiler")
 
-import numba  # noqa: E402
-from numba import cuda  # noqa: E402
+import numba
+from numba import cuda
 
 SM90 = types.SimpleNamespace(compute_capability=(9, 0))
 
@@ -44,7 +44,7 @@ def _compiler_available() -> bool:
 
 def _install_recorder():
     """Replace device allocation with NumPy and launches with a record of (kernel, args)."""
-    import numba.cuda.dispatcher as dispatcher
+    from numba.cuda import dispatcher
 
     from bsrattn.numba_cuda import arrays, executor, launch
 

@@ -23,7 +23,7 @@ NO_COMPILER = 77
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     result = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900,
-                            cwd=SCRIPT.parent.parent)
+                            check=False, cwd=SCRIPT.parent.parent)
     if result.returncode == NO_COMPILER:
         pytest.skip(f"no CUDA compiler here (install numba-cuda[cu13]): {result.stdout.strip()[-300:]}")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

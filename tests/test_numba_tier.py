@@ -18,22 +18,22 @@ from bsrattn import scheduler
 from bsrattn.testing import assert_close
 
 pytest.importorskip("numba.cuda", reason="the numba tier needs numba-cuda")
-from numba import cuda  # noqa: E402
+from numba import cuda
 
-from bsrattn.numba_cuda import executor, formats, gather, launch  # noqa: E402
-from bsrattn.numba_cuda import make_runner, plan_options  # noqa: E402
-from bsrattn.validation import make_spec  # noqa: E402
+from bsrattn.numba_cuda import executor, formats, gather, launch, make_runner, plan_options
+from bsrattn.validation import make_spec
 
 NP = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
       "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
 D = 8
+PLAIN, CAUSAL = ba.Variant(), ba.Variant(causal=True)
 
 
 def _host(x):
     return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
 
 
-def _check(layout, q, k, v, *, variant=ba.Variant(), kv_layout="NHD", dtype="float32", op_dtype=None, **kwargs):
+def _check(layout, q, k, v, *, variant=PLAIN, kv_layout="NHD", dtype="float32", op_dtype=None, **kwargs):
     """``ba.attention`` on the numba tier against the reference on the same (rounded) inputs."""
     want_lse = not variant.use_sigmoid
     ref_inputs = (q, k, v) if "k_scale" in kwargs else tuple(np.asarray(x, np.float64) for x in (q, k, v))
@@ -212,7 +212,7 @@ def test_copy_word_respects_row_size_and_alignment():
 
 # ---- plans: splits, sub-tiles, determinism ---------------------------------------------------------------
 
-def _plan_run(layout, q, k, v, work_plan, variant=ba.Variant(causal=True), hq=4, hkv=2):
+def _plan_run(layout, q, k, v, work_plan, variant=CAUSAL, hq=4, hkv=2):
     spec = make_spec(layout, hq, hkv, D, variant)
     return make_runner(spec, work_plan).run(q, k, v, return_lse=not variant.use_sigmoid)
 

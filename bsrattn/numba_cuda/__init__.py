@@ -30,7 +30,7 @@ from bsrattn.numba_cuda import launch
 from bsrattn.numba_cuda.executor import Runner, query_tile_rows
 from bsrattn.numba_cuda.merge import add_states, merge_state, merge_states
 
-__all__ = ["attention", "merge_state", "merge_states", "add_states", "plan_options", "make_runner", "Runner"]
+__all__ = ["Runner", "add_states", "attention", "make_runner", "merge_state", "merge_states", "plan_options"]
 
 
 def plan_options(spec):

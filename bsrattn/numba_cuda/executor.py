@@ -131,7 +131,7 @@ def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size, item_row
     return tile_rows, tile_kv
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def persistent_kernel(cfg: Config):
     """The compiled-on-first-launch attention kernel for ``cfg``."""
     resolve_rows, load_rows, store_rows = make_gather(cfg)

@@ -22,10 +22,9 @@ import math
 
 import ml_dtypes
 import numpy as np
-from numba import cuda
 
-from bsrattn.validation import dtype_name
 from bsrattn.numba_cuda.launch import device
+from bsrattn.validation import dtype_name
 
 NATIVE = ("float16", "float32", "float64")
 BITS = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
@@ -105,8 +104,8 @@ def encoder(fmt: str):
     elif fmt == "bfloat16":
         def encode(x):
             f = np.float32(x)
-            if f != f:
-                return np.uint16(0x7FC0)
+            if math.isnan(f):
+                return np.uint16(0x7FC0)  # the canonical quiet NaN
             bits = f.view(np.uint32)
             return np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
     else:

@@ -3,9 +3,11 @@
 On a GPU the sizes are chosen for bandwidth (the Quest decode workload of ``BENCHMARKS.md``): 4 warps per
 block, 64 keys gathered per step (with fp16 and head_dim 128 the K and V tiles are 33 KB of shared memory),
 the next tile's loads in flight while a tile is computed, and a plan balanced over the blocks that are
-resident at once. ``tests/gpu_numba_check.py`` times them. The simulator
-runs every CUDA thread as a Python thread, so there the same kernels run with one warp's worth of threads,
-8-key tiles and 4 CTAs, which still exercises multi-tile rows, query sub-tiles and split KV at tiny sizes.
+resident at once. ``tests/gpu_numba_check.py --sweep`` times the alternatives.
+
+The simulator runs every CUDA thread as a Python thread and pays milliseconds per barrier, so there the
+same kernels run with 8 threads a block, 16-key tiles and 4 CTAs per KV head: small enough to be quick,
+enough to exercise multi-tile rows, query sub-tiles, split KV and threads that own several elements.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ SIMULATOR = bool(config.ENABLE_CUDASIM)
 
 if SIMULATOR:
     NUM_THREADS = 8       # threads per block of the attention kernel
-    TILE_KV = 16           # keys gathered into shared memory per step (an upper bound, see executor.choose_tiles)
+    TILE_KV = 16          # keys gathered into shared memory per step (an upper bound, see executor.choose_tiles)
     MAX_QUERIES = 4       # (query row, head) pairs a block holds at once: tile_q = MAX_QUERIES // group_size
     KV_ALIGN = 4          # split-KV chunks are multiples of this many keys
     MERGE_THREADS = 32    # threads per block of the merge kernels

@@ -40,7 +40,7 @@ def make_merge_pair(compute):
     return merge_pair
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_merge_kernel(compute_name: str, out_format: str, head_dim: int, sigmoid: bool, threads: int):
     """The kernel folding each split tile's partial states in the plan's order, one block per (merge, head)."""
     compute = np.dtype(compute_name).type
@@ -75,7 +75,7 @@ def plan_merge_kernel(compute_name: str, out_format: str, head_dim: int, sigmoid
     return merge_partials
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def merge_state_kernel(fmt_o_a, fmt_lse_a, fmt_o_b, fmt_lse_b, fmt_out, compute_name):
     """``o_a, o_b [N, D]``, ``lse_a, lse_b [N]`` -> ``o [N, D]``, ``lse [N]``, one thread per element of ``o``."""
     compute = np.dtype(compute_name).type
@@ -97,7 +97,7 @@ def merge_state_kernel(fmt_o_a, fmt_lse_a, fmt_o_b, fmt_lse_b, fmt_out, compute_
     return merge_state
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def merge_states_kernel(fmt_o, fmt_lse, fmt_out, compute_name):
     """``o [n, S, H, D]``, ``lse [n, S, H]`` -> ``o [n, H, D]``, ``lse [n, H]``: one thread per output element
     folds its ``S`` states in index order."""
@@ -121,7 +121,7 @@ def merge_states_kernel(fmt_o, fmt_lse, fmt_out, compute_name):
     return merge_states
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def add_states_kernel(fmt_a, fmt_b, fmt_out, compute_name):
     """``o_a, o_b [N]`` -> ``o_a + o_b``: FlashSigmoid's merge (unnormalised outputs add)."""
     compute = np.dtype(compute_name).type

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 
-
 from bsrattn import indexing
 from bsrattn.numba_cuda.formats import decoder, encoder
 from bsrattn.numba_cuda.launch import device
