@@ -11,8 +11,9 @@ float64 reference on the selected pages, with the outputs poisoned (NaN) first s
 fails. Timing: the planned run (``make_runner(...).run``, what ``BatchAttention.run`` calls) on device
 arrays, CUDA events around the call, L2 flushed by zeroing a 256 MiB buffer before every sample, median of
 200 samples after 10 warm-ups. Each sample is queued behind a 2 ms spin kernel, so the events time the GPU
-work, not Python's launch overhead ("gpu"); "eager" is the host wall time of a synchronised call. The bound is the bytes the work needs (K and
-V of the selected pages, q, out) over the 4.16 TB/s copy bandwidth (read + written bytes).
+work, not Python's launch overhead ("gpu"); "eager" is the host wall time of a synchronised call. The
+bound is the bytes the work needs (K and V of the selected pages, q, out) over the 4.16 TB/s copy
+bandwidth (read + written bytes).
 """
 
 from __future__ import annotations
@@ -44,27 +45,42 @@ def _cuda():
 
 # ---- the workload ---------------------------------------------------------------------------------------
 
-def quest_problem(budget: int, seq_len: int = SEQ_LEN, seed: int = 0):
-    """Host arrays and layout of W1: ``(layout, q, k, v, selected)`` with q, k, v already in per-head views."""
-    rng = np.random.default_rng(seed)
-    num_pages = seq_len // PAGE
-    selected = [np.sort(rng.choice(num_pages, budget, replace=False)) for _ in range(HEADS)]
-    layout = ba.layouts.quest([np.arange(num_pages)], [seq_len], [selected], PAGE, num_pages, HEADS)
-    q = rng.standard_normal((1, HEADS, HEAD_DIM)).astype(np.float16)
-    k, v = (rng.standard_normal((num_pages, HEADS, PAGE, HEAD_DIM)).astype(np.float16) for _ in range(2))
-    q_view, k_view, v_view = ba.layouts.per_head_views(q, k, v, HEADS)
-    return layout, q_view, k_view, v_view, (k, v, selected)
+class QuestCache:
+    """W1's KV cache, HND ``[num_pages, HEADS, PAGE, HEAD_DIM]`` fp16, and its query; host copies kept for the
+    reference, device copies made once (``to_device``) and reused by every budget and launch setting."""
 
+    def __init__(self, seq_len: int = SEQ_LEN, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.rng, self.seq_len, self.num_pages = rng, seq_len, seq_len // PAGE
+        shape = (self.num_pages, HEADS, PAGE, HEAD_DIM)
+        self.k, self.v = (rng.standard_normal(shape, dtype=np.float32).astype(np.float16) for _ in range(2))
+        self.q = rng.standard_normal((1, HEADS, HEAD_DIM), dtype=np.float32).astype(np.float16)
+        self.device = None
 
-def reference(q_view, pool):
-    """The float64 reference on the selected pages only (a compact paged layout, one row per head)."""
-    k, v, selected = pool
-    budget = selected[0].size
-    compact_k = np.stack([k[selected[h], h] for h in range(HEADS)]).reshape(HEADS * budget, PAGE, 1, HEAD_DIM)
-    compact_v = np.stack([v[selected[h], h] for h in range(HEADS)]).reshape(HEADS * budget, PAGE, 1, HEAD_DIM)
-    tables = [np.arange(h * budget, (h + 1) * budget) for h in range(HEADS)]
-    layout = ba.layouts.paged([1] * HEADS, tables, [budget * PAGE] * HEADS, PAGE, HEADS * budget)
-    return ba.attention(q_view, compact_k, compact_v, layout, return_lse=True)
+    def views(self):
+        """``q [HEADS, 1, D]``, ``k, v [num_pages * HEADS, PAGE, 1, D]``: the per-head views Quest runs on."""
+        return ba.layouts.per_head_views(self.q, self.k, self.v, HEADS)
+
+    def device_views(self, cuda):
+        if self.device is None:
+            self.device = tuple(cuda.to_device(np.ascontiguousarray(x)) for x in self.views())
+        return self.device
+
+    def select(self, budget: int):
+        """Each head's ``budget`` random distinct pages, sorted, and the layout over them."""
+        selected = [np.sort(self.rng.choice(self.num_pages, budget, replace=False)) for _ in range(HEADS)]
+        layout = ba.layouts.quest([np.arange(self.num_pages)], [self.seq_len], [selected], PAGE, self.num_pages,
+                                  HEADS)
+        return layout, selected
+
+    def reference(self, selected):
+        """The float64 reference on the selected pages only (a compact paged layout, one row per head)."""
+        budget = selected[0].size
+        compact = [np.stack([x[selected[h], h] for h in range(HEADS)]).reshape(HEADS * budget, PAGE, 1, HEAD_DIM)
+                   for x in (self.k, self.v)]
+        tables = [np.arange(h * budget, (h + 1) * budget) for h in range(HEADS)]
+        layout = ba.layouts.paged([1] * HEADS, tables, [budget * PAGE] * HEADS, PAGE, HEADS * budget)
+        return ba.attention(self.views()[0], *compact, layout, return_lse=True)
 
 
 def needed_bytes(budget: int) -> int:
@@ -135,19 +151,19 @@ def _kernel_report(runner, cfg) -> str:
             f"keys, {work_plan.num_merges} merges")
 
 
-def run_w1(cuda, budget: int, label: str = "") -> dict:
+def run_w1(cuda, cache: QuestCache, budget: int, label: str = "") -> dict:
     """Check W1 at ``budget`` against the reference (poisoned outputs), then time it."""
     from bsrattn.numba_cuda import make_runner, plan_options
     from bsrattn.validation import make_spec
 
-    layout, q, k, v, pool = quest_problem(budget)
-    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    layout, selected = cache.select(budget)
+    dq, dk, dv = cache.device_views(cuda)
     spec = make_spec(layout, 1, 1, HEAD_DIM, q_dtype="float16", kv_dtype="float16")  # per-head views: G = 1
     runner = make_runner(spec, ba.scheduler.plan(layout.qo_lens, layout.kv_lens, **plan_options(spec)))
-    out = cuda.to_device(np.full(q.shape, np.nan, np.float16))
-    lse = cuda.to_device(np.full(q.shape[:2], np.nan, np.float32))
+    out = cuda.to_device(np.full(dq.shape, np.nan, np.float16))
+    lse = cuda.to_device(np.full(dq.shape[:2], np.nan, np.float32))
     runner.run(dq, dk, dv, out=out, lse=lse, return_lse=True)
-    want_o, want_lse = reference(q, pool)
+    want_o, want_lse = cache.reference(selected)
     assert_close(out.copy_to_host().astype(np.float64), want_o, "attention", "float16", name=f"W1 budget {budget}")
     assert_close(lse.copy_to_host(), want_lse, "lse", "float16", name=f"W1 budget {budget} lse")
     cfg = runner.config("float16", "float16", "NHD", 8)  # the configuration run() resolved
@@ -155,20 +171,20 @@ def run_w1(cuda, budget: int, label: str = "") -> dict:
     bound_us = needed_bytes(budget) / COPY_BANDWIDTH * 1e6
     result = dict(budget=budget, gpu_us=gpu_us, eager_us=eager_us, bound_us=bound_us,
                   fraction=bound_us / gpu_us, label=label)
-    print(f"W1 seq_len {SEQ_LEN} budget {budget:4d} {label}: gpu {gpu_us:7.1f} us, eager {eager_us:7.1f} us, "
+    print(f"W1 seq_len {cache.seq_len} budget {budget:4d} {label}: gpu {gpu_us:7.1f} us, eager {eager_us:7.1f} us, "
           f"bound {bound_us:5.1f} us -> {100 * result['fraction']:.0f}% of copy bandwidth "
           f"({needed_bytes(budget) / gpu_us / 1e6:.2f} TB/s)")
     print(_kernel_report(runner, cfg))
     return result
 
 
-SWEEP = [  # (NUM_THREADS, TILE_KV, MIN_BLOCKS_PER_SM, CTAS_PER_SM)
-    (128, 64, 0, 2), (128, 64, 0, 4), (128, 32, 0, 2), (128, 32, 3, 3), (128, 64, 3, 3), (256, 64, 0, 2),
-    (256, 64, 2, 2), (128, 32, 4, 4),
+SWEEP = [  # (NUM_THREADS, TILE_KV, MIN_BLOCKS_PER_SM, CTAS_PER_SM); the first is the default
+    (128, 64, 0, 2), (128, 64, 0, 4), (128, 32, 0, 2), (128, 32, 3, 3), (128, 64, 3, 3), (64, 32, 0, 4),
+    (64, 64, 0, 4), (256, 64, 0, 2),
 ]
 
 
-def sweep(cuda):
+def sweep(cuda, cache: QuestCache):
     from bsrattn.numba_cuda import launch
 
     defaults = (launch.NUM_THREADS, launch.TILE_KV, launch.MIN_BLOCKS_PER_SM, launch.CTAS_PER_SM)
@@ -176,7 +192,7 @@ def sweep(cuda):
     for setting in SWEEP:
         launch.NUM_THREADS, launch.TILE_KV, launch.MIN_BLOCKS_PER_SM, launch.CTAS_PER_SM = setting
         label = "threads {} tile {} min_blocks {} ctas/SM {}".format(*setting)
-        results.append(run_w1(cuda, 512, label))
+        results.append(run_w1(cuda, cache, 512, label))
     launch.NUM_THREADS, launch.TILE_KV, launch.MIN_BLOCKS_PER_SM, launch.CTAS_PER_SM = defaults
     best = min(results, key=lambda r: r["gpu_us"])
     print(f"best: {best['label']}: {best['gpu_us']:.1f} us, {100 * best['fraction']:.0f}% of copy bandwidth")
@@ -200,10 +216,12 @@ def memcheck(cuda):
                                     variant=variant, return_lse=True)
     assert_close(got_o.astype(np.float64), want_o, "attention", "float16", name="paged")
     assert_close(got_lse, want_lse, "lse", "float16", name="paged lse")
-    layout, q, k, v, pool = quest_problem(64, seq_len=4096)
-    got_o, got_lse = ba.attention(q, k, v, layout, backend="numba", return_lse=True)
-    want_o, want_lse = reference(q, pool)
+    cache = QuestCache(seq_len=4096)
+    layout, selected = cache.select(64)
+    got_o, got_lse = ba.attention(*cache.views(), layout, backend="numba", return_lse=True)
+    want_o, want_lse = cache.reference(selected)
     assert_close(got_o.astype(np.float64), want_o, "attention", "float16", name="quest")
+    assert_close(got_lse, want_lse, "lse", "float16", name="quest lse")
     cuda.synchronize()
     print("memcheck run: paged (GQA 32/8, split KV) and Quest calls match the reference")
 
@@ -217,11 +235,13 @@ def main(argv=None) -> int:
     print(f"device: {cuda.get_current_device().name}, numba-cuda kernels compile on first use")
     if args.memcheck:
         memcheck(cuda)
-    elif args.sweep:
-        sweep(cuda)
+        return 0
+    cache = QuestCache()
+    if args.sweep:
+        sweep(cuda, cache)
     else:
         for budget in (512, 64):
-            run_w1(cuda, budget)
+            run_w1(cuda, cache, budget)
     return 0
 
 
