@@ -7,9 +7,9 @@ a fixed order). :mod:`.formats` decodes bf16/fp8 bits, :mod:`.arrays` moves arra
 :mod:`.launch` names the tile sizes. Runs on a GPU, or anywhere under the CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, at small sizes).
 
-dtypes: q/k/v float16, float32 or float64 (computed in float64); bfloat16 q/k/v and fp8 (e4m3fn, e5m2) k/v
-with ``k_scale``/``v_scale`` when they come as NumPy (ml_dtypes) arrays, decoded from their bits in the
-kernel. A device array of bf16/fp8 (which Numba cannot type) raises TypeError.
+dtypes: q/k/v float16 or float32 (computed in float32) and float64 (computed in float64); bfloat16 q/k/v and
+fp8 (e4m3fn, e5m2) k/v with ``k_scale``/``v_scale`` when they come as NumPy (ml_dtypes) arrays, decoded from
+their bits in the kernel. A device array of bf16/fp8 (which Numba cannot type) raises TypeError.
 
 Examples
 --------
@@ -35,7 +35,16 @@ __all__ = ["Runner", "add_states", "attention", "make_runner", "merge_state", "m
 
 def plan_options(spec):
     """Scheduler options for this tier: one wave of resident blocks, query tiles of ``MAX_QUERIES // G`` rows,
-    KV chunks in multiples of ``KV_ALIGN`` keys."""
+    KV chunks in multiples of ``KV_ALIGN`` keys.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> from bsrattn.validation import make_spec
+    >>> spec = make_spec(ba.layouts.ragged([1], [100]), num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    >>> sorted(plan_options(spec))
+    ['kv_align', 'min_split_size', 'num_ctas', 'tile_q']
+    """
     return dict(num_ctas=launch.num_ctas(spec.num_kv_heads), tile_q=query_tile_rows(spec.group_size),
                 min_split_size=launch.KV_ALIGN,
                 kv_align=launch.KV_ALIGN)

@@ -112,14 +112,29 @@ def shared_bytes(head_dim, group, tile_rows, tile_kv, row_bytes, word_size, comp
 
 
 def query_tile_rows(group: int) -> int:
-    """Query rows a block holds at once: ``MAX_QUERIES // G``, at least one (the plan's ``tile_q``)."""
+    """Query rows a block holds at once: ``MAX_QUERIES // G``, at least one (the plan's ``tile_q``).
+
+    Examples
+    --------
+    >>> from bsrattn.numba_cuda import launch
+    >>> query_tile_rows(1) == launch.MAX_QUERIES, query_tile_rows(10 * launch.MAX_QUERIES)
+    (True, 1)
+    """
     return max(1, launch.MAX_QUERIES // group)
 
 
 def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size, item_rows):
     """``(tile_rows, tile_kv)``: :func:`query_tile_rows`, or fewer when no work item has more query rows
     (decode: 1), and the largest power-of-two KV tile up to ``TILE_KV`` whose shared memory fits
-    ``SHARED_MEMORY_LIMIT``."""
+    ``SHARED_MEMORY_LIMIT``.
+
+    Examples
+    --------
+    >>> from bsrattn.numba_cuda import launch
+    >>> rows, tile_kv = choose_tiles(128, 1, 2, 8, 4, item_rows=1)   # fp16 decode, head_dim 128
+    >>> rows, tile_kv == launch.TILE_KV
+    (1, True)
+    """
     tile_rows = max(1, min(query_tile_rows(group), item_rows))
     tile_kv = launch.TILE_KV
     while shared_bytes(head_dim, group, tile_rows, tile_kv, head_dim * kv_itemsize, word_size,

@@ -34,7 +34,14 @@ OUTPUT_FORMATS = NATIVE + ("bfloat16",)
 
 
 def format_of(x) -> str:
-    """``'float16'``, ``'bfloat16'``, ``'float8_e4m3fn'``… for any array kind, or TypeError if unsupported."""
+    """``'float16'``, ``'bfloat16'``, ``'float8_e4m3fn'``… for any array kind, or TypeError if unsupported.
+
+    Examples
+    --------
+    >>> import ml_dtypes, numpy as np
+    >>> format_of(np.zeros(2, np.float16)), format_of(np.zeros(2, ml_dtypes.float8_e5m2))
+    ('float16', 'float8_e5m2')
+    """
     name = dtype_name(x)
     if name not in NATIVE and name not in BITS:
         raise TypeError(f"the numba tier does not support dtype {name}; supported: {NATIVE + tuple(BITS)}")
@@ -42,7 +49,13 @@ def format_of(x) -> str:
 
 
 def storage_dtype(fmt: str):
-    """The NumPy dtype a kernel sees for ``fmt``: itself for native floats, the raw bits otherwise."""
+    """The NumPy dtype a kernel sees for ``fmt``: itself for native floats, the raw bits otherwise.
+
+    Examples
+    --------
+    >>> storage_dtype("float32").__name__, storage_dtype("bfloat16").__name__, storage_dtype("float8_e4m3fn").__name__
+    ('float32', 'uint16', 'uint8')
+    """
     return BITS[fmt] if fmt in BITS else np.dtype(fmt).type
 
 
@@ -53,7 +66,13 @@ def numpy_dtype(fmt: str) -> np.dtype:
 
 def compute_format(*fmts) -> str:
     """What kernels compute in: ``"float64"`` when any input is float64 (the reference's precision), else
-    ``"float32"``."""
+    ``"float32"``.
+
+    Examples
+    --------
+    >>> compute_format("float16", "float8_e4m3fn"), compute_format("float64", "float64")
+    ('float32', 'float64')
+    """
     return "float64" if "float64" in fmts else "float32"
 
 

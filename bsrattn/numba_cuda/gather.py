@@ -33,6 +33,14 @@ def affine_row_starts(layout):
 
     A row is contiguous when its consecutive blocks are consecutive in the pool (``kv_indices`` steps by 1);
     the last block's ``kv_last_len`` only shortens the run.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> affine_row_starts(ba.layouts.ragged([1, 1], [5, 3])).tolist()
+    [0, 5]
+    >>> affine_row_starts(ba.layouts.paged([1], [[3, 2]], [20], page_size=16, num_pages=4)) is None
+    True
     """
     indices = layout.kv_indices.astype(np.int64)
     has_blocks = np.diff(layout.kv_indptr) > 0
@@ -47,7 +55,13 @@ def affine_row_starts(layout):
 
 
 def copy_word(row_bytes: int, *pointers) -> np.dtype:
-    """The widest unsigned word (8, 4, 2 or 1 bytes) that divides a row and the alignment of every pointer."""
+    """The widest unsigned word (8, 4, 2 or 1 bytes) that divides a row and the alignment of every pointer.
+
+    Examples
+    --------
+    >>> copy_word(256, 0x7F0000).itemsize, copy_word(12, 0).itemsize, copy_word(256, 0x7F0002).itemsize
+    (8, 4, 2)
+    """
     for size in (8, 4, 2, 1):
         if row_bytes % size == 0 and all(p % size == 0 for p in pointers):
             return np.dtype(f"u{size}")

@@ -49,7 +49,13 @@ def num_ctas(num_kv_heads: int) -> int:
 
 
 def blocks_for(n: int, threads: int = MERGE_THREADS) -> int:
-    """Blocks of ``threads`` covering ``n`` elements (at least one)."""
+    """Blocks of ``threads`` covering ``n`` elements (at least one).
+
+    Examples
+    --------
+    >>> blocks_for(1000, 128), blocks_for(0, 128)
+    (8, 1)
+    """
     return max(1, -(-n // threads))
 
 

@@ -48,7 +48,7 @@ def plan_merge_kernel(compute_name: str, out_format: str, head_dim: int, sigmoid
     zero = compute(0.0)
 
     @cuda.jit
-    def merge_partials(part_o, part_lse, out, lse, merge_indptr, merge_partials, merge_qo_start, merge_qo_end):
+    def fold_partials(part_o, part_lse, out, lse, merge_indptr, merge_partials, merge_qo_start, merge_qo_end):
         """``part_o [P, Hq, D]``, ``part_lse [P, Hq]`` -> ``out [nnz_qo, Hq, D]``, ``lse [nnz_qo, Hq]``.
 
         Merge ``m`` covers query rows ``merge_qo_start[m]:merge_qo_end[m]``; row ``i`` of it folds workspace
@@ -72,7 +72,7 @@ def plan_merge_kernel(compute_name: str, out_format: str, head_dim: int, sigmoid
             if not sigmoid and d == 0:
                 lse[q0 + i, head] = s
 
-    return merge_partials
+    return fold_partials
 
 
 @functools.cache
