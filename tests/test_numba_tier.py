@@ -402,7 +402,7 @@ def test_unsupported_inputs_raise_clear_errors():
 
     with pytest.raises(TypeError, match="does not support dtype int32"):
         formats.format_of(np.zeros(2, np.int32))
-    with pytest.raises(TypeError, match="bfloat16 device array"):
+    with pytest.raises(TypeError, match="does not support bfloat16 device arrays"):
         arrays.device_array(cuda.to_device(np.zeros(4, ml_dtypes.bfloat16)), "q")
     with pytest.raises(ValueError, match="C-contiguous"):
         arrays.device_array(cuda.to_device(np.zeros((4, 4), np.float32)).T, "k")

@@ -26,8 +26,8 @@ def device_array(x, name: str):
     if not is_device(x):
         return cuda.to_device(np.ascontiguousarray(np.asarray(x)).view(storage_dtype(fmt)))
     if fmt in BITS:
-        raise TypeError(f"{name} is a {fmt} device array; Numba has no such type: pass it as a NumPy (ml_dtypes) "
-                        f"array, or use the torch tier")
+        raise TypeError(f"the numba tier does not support {fmt} device arrays ({name}): Numba has no {fmt} type; "
+                        f"pass {name} as a NumPy (ml_dtypes) array, or use the torch tier")
     dev = x if getattr(x, "__cuda_ndarray__", False) else cuda.as_cuda_array(x)
     if not dev.is_c_contiguous():
         raise ValueError(f"{name} must be C-contiguous on the device; got shape {tuple(dev.shape)}, "
