@@ -21,9 +21,6 @@ import types
 import ml_dtypes
 import numpy as np
 
-if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
-    sys.exit("run without NUMBA_ENABLE_CUDASIM: the simulator has no compiler")
-
 import numba
 from numba import cuda
 
@@ -127,6 +124,8 @@ def _local_memory_lines(ptx: str) -> list:
 
 
 def main() -> int:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        sys.exit("run without NUMBA_ENABLE_CUDASIM: the simulator has no compiler")
     if not _compiler_available():
         return 77
     recorded = _install_recorder()
