@@ -118,8 +118,10 @@ class BatchAttention:
              kv_layout="NHD", num_ctas=None, fixed_split_size=None, disable_split_kv=False):
         """Compute the :class:`~bsrattn.scheduler.WorkPlan` for ``layout`` and bind it to this object.
 
-        ``num_ctas`` is CTAs per KV head (default: the tier's, one wave of the GPU). ``fixed_split_size``
-        fixes the KV chunk size (batch invariance); ``disable_split_kv`` gives each query tile one item.
+        ``num_ctas`` is CTAs per KV head (default: the tier's, one wave of the GPU, with the tier's minimum
+        chunk and chunk alignment); a given ``num_ctas`` plans Algorithm 1 exactly at that count, with chunks
+        of ``L_kv`` slots. ``fixed_split_size`` fixes the KV chunk size (batch invariance);
+        ``disable_split_kv`` gives each query tile one item.
         Calling ``plan`` again refills the tier's buffers in place where it can (CUDA-graph replay).
         """
         variant = Variant() if variant is None else variant
@@ -130,7 +132,7 @@ class BatchAttention:
                              q_dtype, kv_dtype, kv_layout)
             options = dict(self.backend.plan_options(spec))
             if num_ctas is not None:
-                options["num_ctas"] = num_ctas
+                options.update(num_ctas=num_ctas, min_split_size=1, kv_align=1)
             work_plan = scheduler.plan(level.qo_lens, level.kv_lens, fixed_split_size=fixed_split_size,
                                        disable_split_kv=disable_split_kv, **options)
             previous = self._runners[i] if i < len(self._runners) else None

@@ -9,10 +9,15 @@ Two shapes of work, one kernel:
   queries; few or no splits.
 
 ``num_ctas`` is CTAs per KV head (the scheduler's unit): the launch is ``num_ctas x num_kv_heads``
-programs, a fixed number of waves of the GPU, read from the device's SM count. The split granularity
-follows from ``num_ctas`` alone (``min_split_size = kv_align = 1``): a caller who asks for few CTAs gets
-the fine splits Algorithm 1 gives, and chunk boundaries need not fall on KV tiles (a partial tile's
-masked slots are never fetched, so they cost no bandwidth).
+programs, a fixed number of waves of the GPU, read from the device's SM count.
+
+Decode chunks are whole KV tiles (``kv_align = BLOCK_N``) of at least ``DECODE_MIN_SPLIT`` slots. Measured
+on the H200 (``benchmarks/tune_decode.py``, NOTES.md): with chunks of exactly ``L_kv`` the per-row ceilings
+leave a few more items than CTAs, so a second wave of a handful of items doubles the makespan (W1, budget
+512: 288 items on 264 CTAs, 78 us); aligned chunks give 256 items in one wave (60 us), and a 256-slot
+minimum stops a small budget from being cut into 2-tile items whose prologue and merge dominate (W1,
+budget 64: 48 -> 19 us). A caller who passes ``num_ctas`` to ``BatchAttention.plan`` gets Algorithm 1
+exactly at that count, without these two bounds.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ DECODE_ROWS = 64
 """A tile whose query rows x group heads fit in this many rows is run with the decode shapes."""
 
 CTAS_PER_SM = {"decode": 2, "prefill": 1}
+DECODE_MIN_SPLIT = 256
 INTERPRETER_SMS = 4
 """SMs the Triton interpreter pretends to have: few programs keep CI fast, and splits still happen."""
 
@@ -73,7 +79,7 @@ def tiles(m: int, head_dim: int, dtype: str) -> Tiles:
     if block_d(head_dim) > 128 or dtype == "float32":
         return Tiles(block_m=min(m, 64), block_n=32, num_warps=4, num_stages=2)
     if m <= DECODE_ROWS:
-        return Tiles(block_m=m, block_n=64, num_warps=4, num_stages=3)
+        return Tiles(block_m=m, block_n=64, num_warps=4, num_stages=2)
     return Tiles(block_m=m, block_n=64, num_warps=8, num_stages=2)
 
 
@@ -97,7 +103,7 @@ def plan_options(spec, device=None) -> dict:
     >>> spec = make_spec(ba.layouts.ragged([1, 1], [300, 40]), 8, 2, 64)
     >>> opts = plan_options(spec)
     >>> opts["tile_q"], opts["min_split_size"], opts["kv_align"]
-    (4, 1, 1)
+    (4, 256, 64)
     """
     kind = kind_of(spec)
     if kind == "decode":
@@ -106,6 +112,10 @@ def plan_options(spec, device=None) -> dict:
     else:
         m = 64 if block_d(spec.head_dim) > 128 or spec.q_dtype == "float32" else 128
     ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // spec.num_kv_heads)
+    if kind == "decode":
+        block_n = tiles(m, spec.head_dim, spec.q_dtype).block_n
+        return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=DECODE_MIN_SPLIT,
+                    kv_align=block_n)
     return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=1, kv_align=1)
 
 
