@@ -14,14 +14,25 @@ each sub-tile of its query rows, it loops over the item's KV range one ``tile_kv
 
 with a block-wide barrier after scores, probabilities, accumulate and the store. The gather runs one tile
 ahead of the microkernel, through registers, so a block always has loads in flight while it computes.
-and then writes its state: an unsplit item writes ``out``/``lse`` directly; an item of a split tile writes
-its partial ``(o, lse)`` into its plan-assigned workspace rows, which the merge kernel
+
+Then the item writes its state: an unsplit item writes ``out``/``lse`` directly; an item of a split tile
+writes its partial ``(o, lse)`` into its plan-assigned workspace rows, which the merge kernel
 (:func:`.merge.plan_merge_kernel`) folds afterwards in the plan's order. No atomics anywhere, so the result
 is a pure function of the inputs and the plan.
 
 Kernels are specialised per :class:`Config` (head_dim, GQA group, dtypes, storage order, which variant
 features are on): the shapes of shared and local arrays must be compile-time constants in CUDA, and features
 that are off compile away.
+
+How the kernel got here (read off the sm_90 PTX and ``ptxas -v``; GPU timings: ``tests/gpu_numba_check.py``):
+
+1. a copy that waited for each load before the next: one 8-byte load in flight per thread;
+2. two-phase copy (all of a thread's loads, then all stores): the loads unroll and travel together;
+3. ``while`` instead of ``range()`` in the innermost loops: 4 instructions per dot-product step, not 21;
+4. query sub-tiles sized by the plan's tallest item: decode holds 1 query row, not 16, which frees the
+   shared memory for 64-key tiles (35 KB a block with fp16, head_dim 128);
+5. the gather one tile ahead through registers (this file): loads overlap the microkernel; ~250 registers
+   a thread, so 2 blocks of 128 threads per SM (``launch.CTAS_PER_SM``).
 """
 
 from __future__ import annotations
