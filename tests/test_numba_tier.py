@@ -403,7 +403,8 @@ def test_unsupported_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match="does not support dtype int32"):
         formats.format_of(np.zeros(2, np.int32))
     with pytest.raises(TypeError, match="does not support bfloat16 device arrays"):
-        arrays.device_array(cuda.to_device(np.zeros(4, ml_dtypes.bfloat16)), "q")
+        # numba cannot copy a bf16 host array to a GPU, so the device array is a uint16 one viewed as bf16
+        arrays.device_array(cuda.to_device(np.zeros(4, np.uint16)).view(ml_dtypes.bfloat16), "q")
     with pytest.raises(ValueError, match="C-contiguous"):
         arrays.device_array(cuda.to_device(np.zeros((4, 4), np.float32)).T, "k")
     with pytest.raises(ValueError, match="head_dim=65536"):

@@ -69,8 +69,19 @@ def copy_word(row_bytes: int, *pointers) -> np.dtype:
 
 
 def rows_view(x, head_dim: int, word: np.dtype):
-    """Device ``k`` or ``v`` in any storage, seen as ``[rows, head_dim * itemsize / word]`` words."""
-    return x.reshape(x.size // head_dim, head_dim).view(word)
+    """Device ``k`` or ``v`` in any storage, seen as ``[rows, head_dim * itemsize / word]`` words.
+
+    ``x`` is C-contiguous (``arrays.device_array`` checks), but numba's ``reshape`` also refuses a view whose
+    inserted size-1 axis has a zero stride (``k[:, None]``); such an array is rebuilt over the same memory.
+    """
+    shape = (x.size // head_dim, head_dim)
+    try:
+        flat = x.reshape(*shape)
+    except NotImplementedError:
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+        flat = DeviceNDArray(shape, (head_dim * x.dtype.itemsize, x.dtype.itemsize), x.dtype, gpu_data=x.gpu_data)
+    return flat.view(word)
 
 
 def make_gather(cfg):

@@ -23,7 +23,7 @@ The custom mask (one byte per element) follows in the same allocation, so one co
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -33,6 +33,8 @@ from bsrattn.torch_cuda.config import next_pow2
 SECTIONS = ("cta_indptr", "items", "merge_indptr", "merge_partials", "qo_indptr", "kv_indptr", "kv_lens",
             "mask_indptr", "first_slot", "kv_indices", "alibi")
 ITEM_FIELDS = 8
+WORKSPACE_HEADROOM_BYTES = 64 * 2**20
+"""Largest partial-state workspace sized for the worst case of a batch rather than for its first plan."""
 _ALIGN = 16  # int32 elements: 64 bytes, so every section pointer keeps Triton's 16-byte alignment
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -60,9 +62,24 @@ class Capacity:
         return self.num_ctas == need.num_ctas and all(
             getattr(self, f.name) >= getattr(need, f.name) for f in fields(self) if f.name != "num_ctas")
 
-    def grown(self) -> "Capacity":
-        """Headroom for later plans: every size rounded up to a power of two, at least 16."""
-        return Capacity(self.num_ctas, *(max(16, next_pow2(x)) for x in astuple(self)[1:]))
+    def grown(self, work_plan, num_qo_heads: int, head_dim: int) -> "Capacity":
+        """Headroom for later plans of the same batch, so a captured graph survives a change of lengths.
+
+        A balanced plan cuts KV chunks of at least ``L_kv = total / num_ctas`` slots, so it has at most
+        ``num_ctas + n_tiles`` items (``sum ceil(l / L_kv) <= sum (l / L_kv + 1)``), whatever the lengths:
+        items, merges and partials are sized for that worst case, and so are the partial-state rows when
+        that workspace stays under :data:`WORKSPACE_HEADROOM_BYTES` (decode; prefill keeps its own need).
+        Every size is then rounded up to a power of two, at least 16.
+        """
+        tiles = np.unique(work_plan.item_qo_start).size
+        worst = self.num_ctas + tiles
+        rows_per_tile = int((work_plan.item_qo_end - work_plan.item_qo_start).max(initial=1))
+        partial_rows = max(self.partial_rows, worst * rows_per_tile)
+        if partial_rows * num_qo_heads * (head_dim + 1) * 4 > WORKSPACE_HEADROOM_BYTES:
+            partial_rows = self.partial_rows
+        sizes = replace(self, items=max(self.items, worst), merges=max(self.merges, tiles),
+                        partials=max(self.partials, worst), partial_rows=partial_rows)
+        return Capacity(self.num_ctas, *(max(16, next_pow2(x)) for x in astuple(sizes)[1:]))
 
     def section_sizes(self, num_qo_heads: int) -> dict:
         return {"cta_indptr": self.num_ctas + 1, "items": self.items * ITEM_FIELDS, "merge_indptr": self.merges + 1,

@@ -50,7 +50,7 @@ class Runner:
                               f"({previous.buffers.capacity}, heads/dim/device {previous.buffers.shape_key}); "
                               f"new buffers were allocated, so recapture any CUDA graph taken on the old ones "
                               f"(plan the largest step first to avoid this)", RuntimeWarning, stacklevel=3)
-            buffers = PlanBuffers(need.grown(), *shape)
+            buffers = PlanBuffers(need.grown(work_plan, spec.num_qo_heads, spec.head_dim), *shape)
         buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
         self.spec = spec
         self.work_plan = work_plan
