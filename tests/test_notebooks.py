@@ -47,7 +47,8 @@ def execute(path):
 def executed(request):
     """Every notebook selected in this session, executed once, in parallel."""
     selected = [item.callspec.params["path"] for item in request.session.items
-                if item.module.__name__ == __name__ and hasattr(item, "callspec") and "path" in item.callspec.params]
+                if getattr(item, "module", None) is not None and item.module.__name__ == __name__
+                and hasattr(item, "callspec") and "path" in item.callspec.params]
     workers = max(1, min(4, os.cpu_count() or 1, len(selected)))
     # Fresh interpreters, not forks of this one: a kernel's ZMQ sockets must not share a forked context.
     context = multiprocessing.get_context("spawn")
