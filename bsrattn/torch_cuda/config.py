@@ -14,9 +14,9 @@ programs, a fixed number of waves of the GPU, read from the device's SM count.
 Decode chunks are whole KV tiles (``kv_align = BLOCK_N``) of at least ``DECODE_MIN_SPLIT`` slots. Measured
 on the H200 (``benchmarks/tune_decode.py``, NOTES.md): with chunks of exactly ``L_kv`` the per-row ceilings
 leave a few more items than CTAs, so a second wave of a handful of items doubles the makespan (W1, budget
-512: 288 items on 264 CTAs, 78 us); aligned chunks give 256 items in one wave (60 us), and a 256-slot
+512: 288 items on 264 CTAs, 78 us); aligned chunks give 256 items in one wave (61 us), and a 256-slot
 minimum stops a small budget from being cut into 2-tile items whose prologue and merge dominate (W1,
-budget 64: 48 -> 19 us). A caller who passes ``num_ctas`` to ``BatchAttention.plan`` gets Algorithm 1
+budget 64: 48 -> 21.5 us). A caller who passes ``num_ctas`` to ``BatchAttention.plan`` gets Algorithm 1
 exactly at that count, without these two bounds.
 """
 
