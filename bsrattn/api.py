@@ -5,6 +5,7 @@ from __future__ import annotations
 from bsrattn import scheduler
 from bsrattn.backends import get_backend
 from bsrattn.layout import BSRLayout, Cascade
+from bsrattn.state import write_into
 from bsrattn.validation import make_spec, shape_of, spec_from_inputs
 from bsrattn.variant import Variant
 
@@ -31,13 +32,7 @@ def _merge_levels(backend, states, variant, out, lse):
             o = backend.add_states(o, o_b)
         else:
             o, s = backend.merge_state(o, s, o_b, s_b)
-    if out is not None:
-        out[...] = o
-        o = out
-    if lse is not None:
-        lse[...] = s
-        s = lse
-    return o, s
+    return write_into(o, s, out, lse)
 
 
 def attention(q, k, v, layout, *, variant=None, backend=None, kv_layout="NHD", return_lse=False, out=None,

@@ -14,6 +14,7 @@ from bsrattn.reference.executor import execute
 from bsrattn.reference.gather import kv_as_slots
 from bsrattn.reference.merge import merge_state, merge_states, sum_states
 from bsrattn.reference.microkernel import attend
+from bsrattn.state import write_into
 
 __all__ = ["attention", "attention_rows", "execute", "attend", "kv_as_slots", "merge_state", "merge_states",
            "add_states", "sum_states", "plan_options", "make_runner", "Runner"]
@@ -25,12 +26,7 @@ def _finish(o, s, q, out, lse, return_lse, sigmoid):
     q = np.asarray(q)
     o = o.astype(q.dtype)
     s = None if sigmoid else s.astype(np.float64 if q.dtype == np.float64 else np.float32)
-    if out is not None:
-        out[...] = o
-        o = out
-    if lse is not None:
-        lse[...] = s
-        s = lse
+    o, s = write_into(o, s, out, lse)
     return o, (s if return_lse or lse is not None else None)
 
 
