@@ -95,16 +95,12 @@ def first_slots(layout) -> np.ndarray:
     CUDA graph stays valid whichever rows a later plan makes affine.
     """
     idx = layout.kv_indices.astype(np.int64)
-    starts = layout.kv_indptr[:-1]
-    non_empty = np.diff(layout.kv_indptr) > 0
-    # A step between two blocks of one row that is not +1 breaks that row's affinity.
-    breaks = np.zeros(layout.num_rows + 1, dtype=np.int64)
-    if idx.size > 1:
-        step = np.arange(1, idx.size)
-        row_of_step = np.searchsorted(layout.kv_indptr, step, side="right") - 1
-        bad = (np.diff(idx) != 1) & (layout.kv_indptr[row_of_step] < step)
-        np.add.at(breaks, row_of_step[bad], 1)
-    affine = non_empty & (breaks[:-1] == 0)
+    starts, ends = layout.kv_indptr[:-1].astype(np.int64), layout.kv_indptr[1:].astype(np.int64)
+    # breaks[j]: steps idx[i-1] -> idx[i], i <= j, that are not +1. Row [s, e) is affine when none of its
+    # own steps (s < i < e) breaks, i.e. breaks[e-1] == breaks[s]; the step into a row is not its own.
+    breaks = np.zeros(max(idx.size, 1), dtype=np.int64)
+    np.cumsum(np.diff(idx) != 1, out=breaks[1:])
+    affine = (ends > starts) & (breaks[np.maximum(ends - 1, 0)] == breaks[np.minimum(starts, breaks.size - 1)])
     first = idx[np.minimum(starts, max(idx.size - 1, 0))] * layout.block_size if idx.size else np.zeros_like(starts)
     return np.where(affine, first, -1).astype(np.int32)
 
