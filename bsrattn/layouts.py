@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from bsrattn import indexing

@@ -113,17 +113,8 @@ def _check_positive(**values):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def chunk_size(qo_lens, kv_lens, *, num_ctas, tile_q=1, fixed_split_size=None, disable_split_kv=False,
-               min_split_size=1, kv_align=1) -> int:
-    """Algorithm 1's ``L_kv = ceil(sum ceil(l_qo/T_q) * l_kv / num_ctas)``, bounded below and aligned; 0 = no split."""
-    qo, kv = _check_lengths(qo_lens, kv_lens)
-    _check_positive(num_ctas=num_ctas, tile_q=tile_q, min_split_size=min_split_size, kv_align=kv_align)
-    if fixed_split_size is not None:
-        _check_positive(fixed_split_size=fixed_split_size)
-    return _chunk_size(qo, kv, num_ctas, tile_q, fixed_split_size, disable_split_kv, min_split_size, kv_align)
-
-
 def _chunk_size(qo, kv, num_ctas, tile_q, fixed_split_size, disable_split_kv, min_split_size, kv_align):
+    """Algorithm 1's ``L_kv = ceil(sum ceil(l_qo/T_q) * l_kv / num_ctas)``, bounded below and aligned; 0 = no split."""
     if disable_split_kv:
         return 0
     if fixed_split_size is not None:

@@ -89,6 +89,10 @@ class AttentionSpec:
             raise TypeError(f"out has dtype {dtype_name(out)}, expected q's dtype {dtype_name(q)}")
         if lse is not None and shape_of(lse) != want_q[:2]:
             raise ValueError(f"lse has shape {shape_of(lse)}, expected [nnz_qo, num_qo_heads]={want_q[:2]}")
+        lse_dtypes = ("float32", "float64") if dtype_name(q) == "float64" else ("float32",)
+        if lse is not None and dtype_name(lse) not in lse_dtypes:
+            raise TypeError(f"lse has dtype {dtype_name(lse)}, expected one of {lse_dtypes} (natural-log LSE "
+                            f"is float32, float64 for a float64 q)")
 
 
 def _check_dtypes(q, k, v, k_scale, v_scale):

@@ -8,7 +8,7 @@ The Triton interpreter runs tile shapes the compiler would reject (register or s
 Triton's JIT specialises them (16-byte alignment, integers equal to 1), so the compiled code is the code a
 launch gets: for instance the K/V loads must become pipelined ``cp.async`` copies into shared memory.
 
-Compilation needs a process without ``TRITON_INTERPRET`` (``tests/conftest.py`` sets it when there is no
+Compilation needs a process without ``TRITON_INTERPRET`` (the root ``conftest.py`` sets it when there is no
 GPU), so each batch of configurations compiles in a subprocess running this file.
 """
 
@@ -161,8 +161,10 @@ def _triton_compiler_or_skip():
 def _fail_or_skip(name, result):
     if "error" not in result:
         return
-    if "ptxas" in result["error"]:
-        pytest.skip(f"{name}: compiled to PTX; the final ptxas step failed here: {result['error'][-300:]}")
+    missing = ("No such file", "not found", "FileNotFoundError")
+    if "ptxas" in result["error"] and any(m in result["error"] for m in missing):
+        # only a missing ptxas binary is a reason to stop at PTX; a ptxas error (registers, shared memory) fails
+        pytest.skip(f"{name}: compiled to PTX; no ptxas here to finish: {result['error'][-300:]}")
     raise AssertionError(f"{name} does not compile for sm_90:\n{result['error']}")
 
 

@@ -20,7 +20,6 @@ def _device_function(fn):
     return triton.jit(types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__))
 
 
-ceil_div = _device_function(_shared.ceil_div)
 query_position = _device_function(_shared.query_position)
 key_visible = _device_function(_shared.key_visible)
 mask_offset = _device_function(_shared.mask_offset)

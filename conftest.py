@@ -1,4 +1,8 @@
-"""Test set-up: simulators on machines without a GPU, the Hypothesis profiles, the backend fixture."""
+"""Test set-up for every test and doctest: simulators on machines without a GPU, Hypothesis profiles, gpu skips.
+
+At the repository root so that `--doctest-modules` items under `bsrattn/` get the simulators too, whichever
+paths pytest is given.
+"""
 
 import os
 import shutil
