@@ -84,7 +84,7 @@ def _bound(table, row) -> str:
 
 
 def _fraction(rec) -> str:
-    return f"{rec['time_us']:.1f} ({rec['fraction']:.2f})" if "fraction" in rec else _time(rec)
+    return f"{_time(rec)} ({rec['fraction']:.2f})" if "fraction" in rec else _time(rec)
 
 
 def _speedup(num, den) -> str:
@@ -120,7 +120,7 @@ def _tbps(table, row) -> str:
 
 
 def _tflops(rec) -> str:
-    return f"{rec['time_us']:.0f} µs, {rec['tflop_per_s']:.0f} TF/s" if "tflop_per_s" in rec else _time(rec)
+    return f"{_time(rec)} µs, {rec['tflop_per_s']:.0f} TF/s" if "tflop_per_s" in rec else _time(rec)
 
 
 def table_w3(payload) -> list:
