@@ -36,9 +36,12 @@ class Runner:
         Where the plan's buffers live; every tensor given to :meth:`run` must be there.
     previous : Runner, optional
         A runner whose buffers may be refilled in place (when they fit) instead of allocating new ones.
+    headroom : bool
+        Size new buffers for any later plan of the same batch (see ``Capacity.grown``) rather than for this
+        plan alone; a one-shot call passes False.
     """
 
-    def __init__(self, spec, work_plan, device, previous=None):
+    def __init__(self, spec, work_plan, device, previous=None, headroom=True):
         check_device(device)
         need = Capacity.needed(work_plan, spec.layout)
         shape = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
@@ -50,7 +53,9 @@ class Runner:
                               f"({previous.buffers.capacity}, heads/dim/device {previous.buffers.shape_key}); "
                               f"new buffers were allocated, so recapture any CUDA graph taken on the old ones "
                               f"(plan the largest step first to avoid this)", RuntimeWarning, stacklevel=3)
-            buffers = PlanBuffers(need.grown(work_plan, spec.num_qo_heads, spec.head_dim), *shape)
+            # Headroom keeps later re-plans (CUDA graphs) in place; a one-shot call needs none.
+            capacity = need.grown(work_plan, spec.num_qo_heads, spec.head_dim) if headroom else need
+            buffers = PlanBuffers(capacity, *shape)
         buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
         self.spec = spec
         self.work_plan = work_plan
@@ -129,5 +134,5 @@ def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=No
     """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once."""
     device = device_of(q, k, v, out, lse)
     work_plan = scheduler.plan(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
-    return Runner(spec, work_plan, device).run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale,
-                                               v_scale=v_scale)
+    return Runner(spec, work_plan, device, headroom=False).run(q, k, v, out=out, lse=lse, return_lse=return_lse,
+                                                               k_scale=k_scale, v_scale=v_scale)
