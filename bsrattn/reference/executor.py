@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from bsrattn.reference.gather import kv_as_slots
-from bsrattn.reference.merge import merge_state
+from bsrattn.reference.merge import merge_state, sum_states
 from bsrattn.reference.microkernel import attend_range
 
 
@@ -38,12 +38,12 @@ def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.fl
     for m in range(work_plan.num_merges):
         qs, qe = int(work_plan.merge_qo_start[m]), int(work_plan.merge_qo_end[m])
         starts = work_plan.merge_partials[work_plan.merge_indptr[m]:work_plan.merge_indptr[m + 1]]
+        if spec.variant.use_sigmoid:
+            out[qs:qe] = sum_states(np.stack([part_o[p:p + qe - qs] for p in starts], axis=1))
+            continue
         acc_o, acc_lse = part_o[starts[0]:starts[0] + qe - qs], part_lse[starts[0]:starts[0] + qe - qs]
         for p in starts[1:]:
-            if spec.variant.use_sigmoid:
-                acc_o = acc_o + part_o[p:p + qe - qs]
-            else:
-                acc_o, acc_lse = merge_state(acc_o, acc_lse, part_o[p:p + qe - qs], part_lse[p:p + qe - qs])
+            acc_o, acc_lse = merge_state(acc_o, acc_lse, part_o[p:p + qe - qs], part_lse[p:p + qe - qs])
         out[qs:qe], lse[qs:qe] = acc_o, acc_lse
     if spec.variant.use_sigmoid:
         lse[:] = np.nan

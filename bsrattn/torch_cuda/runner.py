@@ -21,8 +21,9 @@ import torch
 from bsrattn import scheduler
 from bsrattn.torch_cuda import config as cfg
 from bsrattn.torch_cuda.plan_buffers import SECTIONS, Capacity, PlanBuffers
-from bsrattn.torch_cuda.tensors import SUPPORTED, check_device, default_device, device_of, dtype_str, to_numpy, \
-    to_torch, write_back
+from bsrattn.torch_cuda.tensors import SUPPORTED, check_device, default_device, device_of, to_numpy, to_torch, \
+    write_back
+from bsrattn.validation import dtype_name
 
 
 class Runner:
@@ -89,13 +90,13 @@ class Runner:
         as_numpy = not isinstance(q, torch.Tensor)
         q_t, k_t, v_t = (to_torch(name, x, self.device) for name, x in (("q", q), ("k", k), ("v", v)))
         for name, x in (("q", q_t), ("k", k_t)):
-            if dtype_str(x) not in SUPPORTED:
-                raise TypeError(f"{name} has dtype {dtype_str(x)}; the torch tier supports {SUPPORTED} "
+            if dtype_name(x) not in SUPPORTED:
+                raise TypeError(f"{name} has dtype {dtype_name(x)}; the torch tier supports {SUPPORTED} "
                                 f"(use backend='reference' for float64)")
         want_lse = (return_lse or lse is not None) and not spec.variant.use_sigmoid
         out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
         lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
-        config = self.launch_config(dtype_str(q_t), spec.kv_view_of(k_t), want_lse)
+        config = self.launch_config(dtype_name(q_t), spec.kv_view_of(k_t), want_lse)
         # fp8 KV is dequantised by folding k_scale into the score scale and v_scale into the output.
         scalars = [spec.sm_scale * (1.0 if k_scale is None else float(k_scale)),
                    1.0 if v_scale is None else float(v_scale),
@@ -120,7 +121,7 @@ class Runner:
         if given.device != self.device:
             raise ValueError(f"{name} is on {given.device}, the inputs and the plan on {self.device}")
         if given.dtype != dtype:
-            raise TypeError(f"{name} has dtype {dtype_str(given)}, expected {str(dtype).removeprefix('torch.')}")
+            raise TypeError(f"{name} has dtype {dtype_name(given)}, expected {str(dtype).removeprefix('torch.')}")
         return given
 
 

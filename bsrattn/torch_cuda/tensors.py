@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from bsrattn.torch_cuda.config import interpreting
+from bsrattn.validation import dtype_name
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -20,10 +21,6 @@ TORCH_DTYPES = {
 _BIT_VIEWS = {"bfloat16": (np.uint16, torch.int16), "float8_e4m3fn": (np.uint8, torch.uint8),
               "float8_e5m2": (np.uint8, torch.uint8)}
 SUPPORTED = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
-
-
-def dtype_str(x) -> str:
-    return str(x.dtype).removeprefix("torch.")
 
 
 def default_device() -> torch.device:
@@ -64,7 +61,7 @@ def to_torch(name: str, x, device: torch.device) -> torch.Tensor:
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A host copy of ``t`` as NumPy, bfloat16 and float8 as ``ml_dtypes`` dtypes."""
-    name = dtype_str(t)
+    name = dtype_name(t)
     t = t.detach().cpu()
     if name in _BIT_VIEWS:
         import ml_dtypes
