@@ -21,9 +21,13 @@ NO_SPLIT = "-no-split"
 STATUS_MARK = {"unavailable": "n/a", "error": "error", "incorrect": "WRONG", "skipped": "skipped"}
 
 
+def _mark(rec) -> str:
+    """`` e`` for a time taken eagerly (from Python), nothing for graph-mode or host times."""
+    return "" if rec.get("time_mode") in ("graph", "host") else " e"
+
+
 def _time(rec) -> str:
-    mark = "" if rec.get("time_mode") in ("graph", "host") else " e"
-    return f"{rec['time_us']:.1f}{mark}"
+    return f"{rec['time_us']:.1f}{_mark(rec)}"
 
 
 def _ok(rec) -> bool:
@@ -120,7 +124,8 @@ def _tbps(table, row) -> str:
 
 
 def _tflops(rec) -> str:
-    return f"{_time(rec)} µs, {rec['tflop_per_s']:.0f} TF/s" if "tflop_per_s" in rec else _time(rec)
+    return (f"{rec['time_us']:.0f}{_mark(rec)} µs, {rec['tflop_per_s']:.0f} TF/s" if "tflop_per_s" in rec
+            else _time(rec))
 
 
 def table_w3(payload) -> list:
