@@ -420,6 +420,13 @@ def measure_bsrattn(suite, config: dict, name: str, tier: str, layout, q, k, v, 
 
 
 # ---- the suite --------------------------------------------------------------------------------------------
+def run_script(workload: str, title: str, run, doc: str, argv=None):
+    """A workload script's ``main``: its suite from the command line, ``run(suite)``, then the JSON written."""
+    suite = Suite.from_argv(workload, title, argv, doc=doc)
+    run(suite)
+    suite.finish()
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     """The options every workload script takes."""
     p = argparse.ArgumentParser(description=description)

@@ -197,9 +197,7 @@ def run(suite) -> None:
 
 
 def main(argv=None):
-    suite = harness.Suite.from_argv(WORKLOAD, TITLE, argv, doc=__doc__)
-    run(suite)
-    suite.finish()
+    harness.run_script(WORKLOAD, TITLE, run, __doc__, argv)
 
 
 if __name__ == "__main__":
