@@ -79,7 +79,7 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
                 "NHD3": (blocks, hkv, head_dim)}[view]
     q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))
     k, v = (torch.empty(kv_shape, dtype=getattr(torch, kv_dtype)) for _ in range(2))
-    buffers = PlanBuffers(Capacity(4, 64, 16, 64, 16, 64, 256, 64), hq, hkv, head_dim, torch.device("cpu"))
+    buffers = PlanBuffers(Capacity(4, 64, 16, 64, 64, 256, 64), hq, hkv, head_dim, torch.device("cpu"))
     lse = torch.empty((32, hq)) if config.store_lse else buffers.no_lse
     scalars = cfg.Scalars(0.088, 1.0, 30.0, 0.0)
     _, args, kwargs = launch_args(q, k, v, torch.empty_like(q), lse, buffers, config, scalars)

@@ -32,6 +32,17 @@ from bsrattn.torch_cuda import microkernel
 from bsrattn.torch_cuda.gather import kv_strides
 from bsrattn.torch_cuda.indexing import query_position
 from bsrattn.torch_cuda.merge import fold_partials
+from bsrattn.torch_cuda.plan_buffers import ITEM, ITEM_STRIDE
+
+# Offsets of the item-row fields (plan_buffers.ITEM_FIELDS), as compile-time constants of the kernel.
+_STRIDE = tl.constexpr(ITEM_STRIDE)
+_QO_START, _QO_END = tl.constexpr(ITEM["qo_start"]), tl.constexpr(ITEM["qo_end"])
+_KV_START, _KV_END = tl.constexpr(ITEM["kv_start"]), tl.constexpr(ITEM["kv_end"])
+_PARTIAL, _MERGE = tl.constexpr(ITEM["partial"]), tl.constexpr(ITEM["merge"])
+_PARTS_LO, _PARTS_HI = tl.constexpr(ITEM["parts_lo"]), tl.constexpr(ITEM["parts_hi"])
+_QO_FIRST, _QO_LEN, _KV_LEN = tl.constexpr(ITEM["qo_first"]), tl.constexpr(ITEM["qo_len"]), tl.constexpr(ITEM["kv_len"])
+_BLOCK_START, _FIRST_SLOT = tl.constexpr(ITEM["block_start"]), tl.constexpr(ITEM["first_slot"])
+_MASK_START = tl.constexpr(ITEM["mask_start"])
 
 
 @triton.jit
@@ -49,8 +60,7 @@ def _store_state(o_ptr, lse_ptr, rows, head, valid, d, o, lse,  # rows, head, va
 def persistent_attention(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, out [nnz_qo, Hq, D]; k, v: storage view; lse [nnz_qo, Hq]
         part_o, part_lse, counters,  # [partial_rows, Hq, D] f32; [partial_rows, Hq] f32; [merges, Hkv] i32
-        cta_indptr, items, merge_indptr, merge_partials,  # [num_ctas+1]; [W, 8]; [M+1]; [P]
-        qo_indptr, kv_indptr, kv_lens, mask_indptr, first_slots,  # [R+1], [R+1], [R], [R+1], [R]
+        cta_indptr, items, merge_partials,  # [num_ctas+1]; [W, ITEM_STRIDE]; [P]
         kv_indices, mask_ptr, alibi_ptr,  # [nnz] i32; [mask elements] u8; [Hq] f32
         stride_qn, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kh, stride_kd,
@@ -71,22 +81,21 @@ def persistent_attention(
     v_head = v_ptr + kv_head * stride_vh
     d = tl.arange(0, BLOCK_D)
     for w in range(tl.load(cta_indptr + cta), tl.load(cta_indptr + cta + 1)):
-        item = items + w * 8
-        row = tl.load(item)
-        qo_start = tl.load(item + 1)
-        qo_end = tl.load(item + 2)
-        kv_start = tl.load(item + 3)
-        kv_end = tl.load(item + 4)
-        partial = tl.load(item + 5)
-        merge = tl.load(item + 6)
-        qo_first = tl.load(qo_indptr + row)
-        qo_len = tl.load(qo_indptr + row + 1) - qo_first
-        kv_len = tl.load(kv_lens + row)
-        row_block_start = tl.load(kv_indptr + row)
-        first_slot = tl.load(first_slots + row)
+        item = items + w * _STRIDE
+        qo_start = tl.load(item + _QO_START)
+        qo_end = tl.load(item + _QO_END)
+        kv_start = tl.load(item + _KV_START)
+        kv_end = tl.load(item + _KV_END)
+        partial = tl.load(item + _PARTIAL)
+        merge = tl.load(item + _MERGE)
+        qo_first = tl.load(item + _QO_FIRST)
+        qo_len = tl.load(item + _QO_LEN)
+        kv_len = tl.load(item + _KV_LEN)
+        row_block_start = tl.load(item + _BLOCK_START)
+        first_slot = tl.load(item + _FIRST_SLOT)
         mask_start = 0
         if CUSTOM_MASK:
-            mask_start = tl.load(mask_indptr + row)
+            mask_start = tl.load(item + _MASK_START)
         n_rows = (qo_end - qo_start) * GROUP
         for m0 in range(0, n_rows, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
@@ -130,8 +139,8 @@ def persistent_attention(
                 _store_state(part_o, part_lse, partial + rel, head, valid_m, d, o, lse, stride_pn, stride_ph, 1,
                              stride_pln, stride_plh, HEAD_DIM, not SIGMOID)
         if merge >= 0:
-            parts_lo = tl.load(merge_indptr + merge)
-            parts_hi = tl.load(merge_indptr + merge + 1)
+            parts_lo = tl.load(item + _PARTS_LO)
+            parts_hi = tl.load(item + _PARTS_HI)
             counter = counters + merge * num_kv_heads + kv_head
             # Every thread's partial-state stores precede the one release that publishes them.
             tl.debug_barrier()
@@ -159,9 +168,7 @@ def launch_args(q, k, v, out, lse, buffers, config, scalars):
     """
     sec = buffers.section
     args = (q, k, v, out, lse, buffers.part_o, buffers.part_lse, buffers.counters,
-            sec("cta_indptr"), sec("items"), sec("merge_indptr"), sec("merge_partials"),
-            sec("qo_indptr"), sec("kv_indptr"), sec("kv_lens"), sec("mask_indptr"), sec("first_slot"),
-            sec("kv_indices"), buffers.mask, buffers.alibi,
+            sec("cta_indptr"), sec("items"), sec("merge_partials"), sec("kv_indices"), buffers.mask, buffers.alibi,
             q.stride(0), q.stride(1), q.stride(2), *kv_strides(k, config.kv_view), *kv_strides(v, config.kv_view),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             buffers.part_o.stride(0), buffers.part_o.stride(1), buffers.part_lse.stride(0), buffers.part_lse.stride(1),

@@ -11,12 +11,13 @@ One int32 buffer holds every plan array, at 64-byte aligned offsets:
 | section | shape | content |
 |---|---|---|
 | ``cta_indptr`` | ``[num_ctas+1]`` | CTA ``c`` runs items ``cta_indptr[c]:cta_indptr[c+1]`` |
-| ``items`` | ``[W, 8]`` | row, qo_start, qo_end, kv_start, kv_end, partial (-1: none), merge (-1: none), 0 |
-| ``merge_indptr``, ``merge_partials`` | ``[M+1]``, ``[P]`` | as in :class:`~bsrattn.scheduler.WorkPlan` |
-| ``qo_indptr``, ``kv_indptr``, ``kv_lens``, ``mask_indptr`` | ``[R+1]``, ``[R+1]``, ``[R]``, ``[R+1]`` | the layout's rows |
-| ``first_slot`` | ``[R]`` | first pool slot of a row whose blocks are consecutive (the dense path), else -1 |
-| ``kv_indices`` | ``[nnz]`` | the layout's block ids |
+| ``items`` | ``[W, ITEM_STRIDE]`` | one row of :data:`ITEM_FIELDS` per work item |
+| ``merge_partials`` | ``[P]`` | as in :class:`~bsrattn.scheduler.WorkPlan` |
 | ``alibi`` | ``[num_qo_heads]`` | the variant's ALiBi slopes (float32 bits) |
+| ``kv_indices`` | ``[nnz]`` | the layout's block ids |
+
+An item row carries everything the kernel needs about its block row and its merge, so a program reads one
+64-byte row and no per-row array: one round trip to memory before the KV loop starts, not two.
 
 The custom mask (one byte per element) follows in the same allocation, so one copy moves everything.
 """
@@ -30,9 +31,23 @@ import torch
 
 from bsrattn.torch_cuda.config import next_pow2
 
-SECTIONS = ("cta_indptr", "items", "merge_indptr", "merge_partials", "qo_indptr", "kv_indptr", "kv_lens",
-            "mask_indptr", "first_slot", "kv_indices", "alibi")
-ITEM_FIELDS = 8
+SECTIONS = ("cta_indptr", "items", "merge_partials", "alibi", "kv_indices")
+ITEM_FIELDS = (
+    "qo_start", "qo_end",  # the item's query rows (absolute rows of q)
+    "kv_start", "kv_end",  # its logical KV slots
+    "partial",  # first workspace row of its partial state, -1: it writes the output
+    "merge",  # the merge its partial state belongs to, -1: none
+    "parts_lo", "parts_hi",  # that merge's partials, merge_partials[parts_lo:parts_hi]
+    "qo_first", "qo_len", "kv_len",  # the block row's first query row and lengths
+    "block_start",  # kv_indptr of the block row
+    "first_slot",  # first pool slot when the row's blocks are consecutive (the dense path), else -1
+    "mask_start",  # mask_indptr of the block row
+    "row",  # the block row
+)
+"""The int32 fields of an item row, in order; the kernel reads them by these names (``ITEM``)."""
+ITEM = {name: i for i, name in enumerate(ITEM_FIELDS)}
+ITEM_STRIDE = 16
+"""int32 elements per item row: the fields, padded to 64 bytes."""
 WORKSPACE_HEADROOM_BYTES = 64 * 2**20
 """Largest partial-state workspace sized for the worst case of a batch rather than for its first plan."""
 _ALIGN = 16  # int32 elements: 64 bytes, so every section pointer keeps Triton's 16-byte alignment
@@ -47,7 +62,6 @@ class Capacity:
     items: int
     merges: int
     partials: int
-    rows: int
     nnz: int
     mask: int
     partial_rows: int
@@ -56,7 +70,7 @@ class Capacity:
     def needed(cls, work_plan, layout) -> "Capacity":
         mask = 0 if layout.custom_mask is None else layout.custom_mask.size
         return cls(work_plan.num_ctas, work_plan.num_items, work_plan.num_merges, work_plan.merge_partials.size,
-                   layout.num_rows, layout.kv_indices.size, mask, work_plan.num_partial_rows)
+                   layout.kv_indices.size, mask, work_plan.num_partial_rows)
 
     def fits(self, need: "Capacity") -> bool:
         return self.num_ctas == need.num_ctas and all(
@@ -82,10 +96,8 @@ class Capacity:
         return Capacity(self.num_ctas, *(max(16, next_pow2(x)) for x in astuple(sizes)[1:]))
 
     def section_sizes(self, num_qo_heads: int) -> dict:
-        return {"cta_indptr": self.num_ctas + 1, "items": self.items * ITEM_FIELDS, "merge_indptr": self.merges + 1,
-                "merge_partials": self.partials, "qo_indptr": self.rows + 1, "kv_indptr": self.rows + 1,
-                "kv_lens": self.rows, "mask_indptr": self.rows + 1, "first_slot": self.rows,
-                "kv_indices": self.nnz, "alibi": num_qo_heads}
+        return {"cta_indptr": self.num_ctas + 1, "items": self.items * ITEM_STRIDE, "merge_partials": self.partials,
+                "alibi": num_qo_heads, "kv_indices": self.nnz}
 
 
 def first_slots(layout) -> np.ndarray:
@@ -111,6 +123,27 @@ def item_merges(work_plan) -> np.ndarray:
     merge_of_start[work_plan.merge_partials] = np.repeat(np.arange(work_plan.num_merges), np.diff(work_plan.merge_indptr))
     partial = work_plan.item_partial
     return np.where(partial >= 0, merge_of_start[np.maximum(partial, 0)], -1).astype(np.int32)
+
+
+def item_rows(work_plan, layout) -> np.ndarray:
+    """``[W, ITEM_STRIDE]`` int32: the item table the kernel reads (:data:`ITEM_FIELDS`)."""
+    row = work_plan.item_row
+    merge = item_merges(work_plan)
+    split = merge >= 0
+    at = np.maximum(merge, 0)
+    bounds = np.append(work_plan.merge_indptr, 0)  # a plan without merges still indexes at 0 and 1
+    qo_first = layout.qo_indptr[row]
+    columns = {"qo_start": work_plan.item_qo_start, "qo_end": work_plan.item_qo_end,
+               "kv_start": work_plan.item_kv_start, "kv_end": work_plan.item_kv_end,
+               "partial": work_plan.item_partial, "merge": merge,
+               "parts_lo": np.where(split, bounds[at], 0), "parts_hi": np.where(split, bounds[at + 1], 0),
+               "qo_first": qo_first, "qo_len": layout.qo_indptr[row + 1] - qo_first, "kv_len": layout.kv_lens[row],
+               "block_start": layout.kv_indptr[row], "first_slot": first_slots(layout)[row],
+               "mask_start": layout.mask_indptr[row], "row": row}
+    table = np.zeros((work_plan.num_items, ITEM_STRIDE), dtype=np.int32)
+    for name, column in columns.items():
+        table[:, ITEM[name]] = column
+    return table
 
 
 class PlanBuffers:
@@ -163,13 +196,8 @@ class PlanBuffers:
         mask_indptr = layout.mask_indptr
         if mask_indptr[-1] > _INT32_MAX:
             raise ValueError(f"custom_mask has {mask_indptr[-1]} elements; the torch tier indexes it with int32")
-        items = np.stack([work_plan.item_row, work_plan.item_qo_start, work_plan.item_qo_end,
-                          work_plan.item_kv_start, work_plan.item_kv_end, work_plan.item_partial,
-                          item_merges(work_plan), np.zeros(work_plan.num_items, np.int32)], axis=1)
-        values = {"cta_indptr": work_plan.cta_indptr, "items": items.reshape(-1),
-                  "merge_indptr": work_plan.merge_indptr, "merge_partials": work_plan.merge_partials,
-                  "qo_indptr": layout.qo_indptr, "kv_indptr": layout.kv_indptr, "kv_lens": layout.kv_lens,
-                  "mask_indptr": mask_indptr, "first_slot": first_slots(layout), "kv_indices": layout.kv_indices}
+        values = {"cta_indptr": work_plan.cta_indptr, "items": item_rows(work_plan, layout).reshape(-1),
+                  "merge_partials": work_plan.merge_partials, "kv_indices": layout.kv_indices}
         if alibi_slopes is not None:
             values["alibi"] = np.asarray(alibi_slopes, dtype=np.float32).view(np.int32)
         if self._copied is not None:
