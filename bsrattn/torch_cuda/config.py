@@ -30,6 +30,7 @@ DECODE_ROWS = 64
 
 CTAS_PER_SM = {"decode": 2, "prefill": 1}
 DECODE_MIN_SPLIT = 256
+PREFILL_BLOCK_M = 128
 INTERPRETER_SMS = 4
 """SMs the Triton interpreter pretends to have: few programs keep CI fast, and splits still happen."""
 
@@ -110,7 +111,7 @@ def plan_options(spec, device=None) -> dict:
         qo = spec.layout.qo_lens
         m = block_m(int(qo.max()) if qo.size else 1, spec.group_size)
     else:
-        m = 64 if block_d(spec.head_dim) > 128 or spec.q_dtype == "float32" else 128
+        m = 64 if block_d(spec.head_dim) > 128 or spec.q_dtype == "float32" else PREFILL_BLOCK_M
     ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // spec.num_kv_heads)
     if kind == "decode":
         block_n = tiles(m, spec.head_dim, spec.q_dtype).block_n

@@ -37,30 +37,41 @@ def kv_strides(x, view: str) -> tuple:
 
 @triton.jit
 def slot_offsets(kv_indices, row_block_start, row_first_slot, i, valid,  # i, valid: [BLOCK_N]
-                 stride_block, stride_slot, BLOCK_SIZE: tl.constexpr, DENSE: tl.constexpr):
+                 stride_block, stride_slot, BLOCK_SIZE: tl.constexpr, DENSE: tl.constexpr, MASKED: tl.constexpr):
     """``[BLOCK_N]`` int64 element offsets of logical KV slots ``i`` of a row (before the head and dim terms).
 
     Sparse path: pool slot ``kv_indices[row_block_start + i // Bc] * Bc + i % Bc``
     (:func:`bsrattn.indexing.sparse_slot`). Dense path, for a row whose blocks are consecutive: pool slot
-    ``row_first_slot + i`` (:func:`bsrattn.indexing.dense_slot`), no index load.
+    ``row_first_slot + i`` (:func:`bsrattn.indexing.dense_slot`), no index load. Unless ``MASKED``, every
+    slot is known to be in the row (``valid`` is ignored).
     """
     if DENSE:
         slot = row_first_slot + i
         block = slot // BLOCK_SIZE
         within = slot % BLOCK_SIZE
     else:
-        block = tl.load(kv_indices + row_block_start + i // BLOCK_SIZE, mask=valid, other=0)
+        if MASKED:
+            block = tl.load(kv_indices + row_block_start + i // BLOCK_SIZE, mask=valid, other=0)
+        else:
+            block = tl.load(kv_indices + row_block_start + i // BLOCK_SIZE)
         within = i % BLOCK_SIZE
     return block.to(tl.int64) * stride_block + within.to(tl.int64) * stride_slot
 
 
 @triton.jit
-def load_tile(head_ptr, offsets, valid, d, stride_dim, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+def load_tile(head_ptr, offsets, valid, d, stride_dim, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              dtype: tl.constexpr, MASKED: tl.constexpr):
     """``[BLOCK_N, BLOCK_D]`` rows at ``offsets`` from ``head_ptr`` (the KV head's base), cast to ``dtype``.
 
-    Padding (slots past the range, dims past ``HEAD_DIM``) loads as 0. The cast is fp8 dequantisation for
-    fp8 KV (exact: every e4m3 and e5m2 value is a float16 and a bfloat16) and a no-op otherwise.
+    Padding (slots past the range when ``MASKED``, dims past ``HEAD_DIM``) loads as 0; an unmasked tile of a
+    power-of-two head_dim loads with no predicate at all. The cast is fp8 dequantisation for fp8 KV (exact:
+    every e4m3 and e5m2 value is a float16 and a bfloat16) and a no-op otherwise.
     """
     ptrs = head_ptr + offsets[:, None] + d[None, :] * stride_dim
-    x = tl.load(ptrs, mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    if MASKED:
+        x = tl.load(ptrs, mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
     return x.to(dtype)

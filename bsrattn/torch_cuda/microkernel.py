@@ -70,9 +70,13 @@ def visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_p
 
 @triton.jit
 def softmax_update(acc, m_i, l_i, s, vis, v,  # acc [BLOCK_M, D] f32; m_i, l_i [BLOCK_M]; s, vis [M, N]; v [N, D]
-                   PRECISION: tl.constexpr):
-    """One online-softmax step over a KV tile: rescale the running state by the new max, add ``p @ v``."""
-    s = tl.where(vis, s, float("-inf"))
+                   MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over a KV tile: rescale the running state by the new max, add ``p @ v``.
+
+    ``vis`` is ignored when not ``MASKED`` (a tile every query sees whole).
+    """
+    if MASKED:
+        s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key keeps m = -inf; shifting by 0 instead keeps exp2 free of NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -84,10 +88,11 @@ def softmax_update(acc, m_i, l_i, s, vis, v,  # acc [BLOCK_M, D] f32; m_i, l_i [
 
 
 @triton.jit
-def sigmoid_update(acc, s, vis, sigmoid_bias, v, PRECISION: tl.constexpr):
+def sigmoid_update(acc, s, vis, sigmoid_bias, v, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """FlashSigmoid over a KV tile: ``acc += sigmoid(s + bias) @ v`` (``s`` in base-2 units), no normalisation."""
     w = 1.0 / (1.0 + tl.exp2(-(s + sigmoid_bias * LOG2E)))
-    w = tl.where(vis, w, 0.0)
+    if MASKED:
+        w = tl.where(vis, w, 0.0)
     return acc + tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
 
 
@@ -103,6 +108,41 @@ def finish(acc, m_i, l_i, v_scale, SIGMOID: tl.constexpr):
 
 
 @triton.jit
+def attend_tile(acc, m_i, l_i, start, q, q_pos, q_local, valid_m, slopes,
+                k_head, v_head, kv_indices, row_block_start, row_first_slot, kv_end, kv_len, mask_ptr, mask_start,
+                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                qk_scale, soft_cap, window_left, sigmoid_bias,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                DENSE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """The running state after the KV tile of slots ``start:start+BLOCK_N``.
+
+    An unmasked tile (``MASKED`` false) is one the caller knows to lie inside the range and to be visible
+    whole to every query of the tile: no bounds, no position or custom mask are evaluated for it.
+    """
+    d = tl.arange(0, BLOCK_D)
+    k_pos = start + tl.arange(0, BLOCK_N)
+    valid_n = k_pos < kv_end
+    k_off = gather.slot_offsets(kv_indices, row_block_start, row_first_slot, k_pos, valid_n,
+                                stride_kb, stride_ks, BLOCK_SIZE, DENSE, MASKED)
+    k = gather.load_tile(k_head, k_off, valid_n, d, stride_kd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
+    s = scores(q, k, q_pos, k_pos, slopes, qk_scale, soft_cap, SOFT_CAP, ALIBI, PRECISION)
+    vis = valid_n[None, :]
+    if MASKED:
+        vis = visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_ptr, mask_start,
+                      CAUSAL, HAS_WINDOW, CUSTOM_MASK)
+    v_off = gather.slot_offsets(kv_indices, row_block_start, row_first_slot, k_pos, valid_n,
+                                stride_vb, stride_vs, BLOCK_SIZE, DENSE, MASKED)
+    v = gather.load_tile(v_head, v_off, valid_n, d, stride_vd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
+    if SIGMOID:
+        acc = sigmoid_update(acc, s, vis, sigmoid_bias, v, MASKED, PRECISION)
+    else:
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, s, vis, v, MASKED, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_pos, q_local, slopes [BLOCK_M]
                  k_head, v_head, kv_indices, row_block_start, row_first_slot, kv_start, kv_end, kv_len,
                  mask_ptr, mask_start,
@@ -114,26 +154,32 @@ def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_
                  PRECISION: tl.constexpr):
     """State of a query tile over the row's logical KV slots ``kv_start:kv_end`` (reference ``attend_range``).
 
-    ``k_head``/``v_head`` point at the KV head's first element. Returns ``(o, lse)`` as :func:`finish`.
+    ``k_head``/``v_head`` point at the KV head's first element; ``q_pos`` is non-decreasing along the tile.
+    Whole tiles that every query sees (before the tile's first query position when causal; never under a
+    window or a custom mask) run without masks; the rest of the range runs masked. Returns ``(o, lse)`` as
+    :func:`finish`.
     """
-    d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(kv_start, kv_end, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        valid_n = k_pos < kv_end
-        k_off = gather.slot_offsets(kv_indices, row_block_start, row_first_slot, k_pos, valid_n,
-                                    stride_kb, stride_ks, BLOCK_SIZE, DENSE)
-        k = gather.load_tile(k_head, k_off, valid_n, d, stride_kd, HEAD_DIM, q.dtype)
-        s = scores(q, k, q_pos, k_pos, slopes, qk_scale, soft_cap, SOFT_CAP, ALIBI, PRECISION)
-        vis = visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_ptr, mask_start,
-                      CAUSAL, HAS_WINDOW, CUSTOM_MASK)
-        v_off = gather.slot_offsets(kv_indices, row_block_start, row_first_slot, k_pos, valid_n,
-                                    stride_vb, stride_vs, BLOCK_SIZE, DENSE)
-        v = gather.load_tile(v_head, v_off, valid_n, d, stride_vd, HEAD_DIM, q.dtype)
-        if SIGMOID:
-            acc = sigmoid_update(acc, s, vis, sigmoid_bias, v, PRECISION)
-        else:
-            acc, m_i, l_i = softmax_update(acc, m_i, l_i, s, vis, v, PRECISION)
+    mid = kv_start
+    if not (HAS_WINDOW or CUSTOM_MASK):
+        seen_by_all = kv_end
+        if CAUSAL:
+            seen_by_all = tl.minimum(kv_end, tl.min(q_pos, 0) + 1)
+        mid = kv_start + tl.maximum(seen_by_all - kv_start, 0) // BLOCK_N * BLOCK_N
+        for start in range(kv_start, mid, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, start, q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices,
+                row_block_start, row_first_slot, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks,
+                stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias,
+                HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE, False, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
+                SIGMOID, CUSTOM_MASK, PRECISION)
+    for start in range(mid, kv_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, start, q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices,
+            row_block_start, row_first_slot, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks,
+            stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias,
+            HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE, True, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
+            SIGMOID, CUSTOM_MASK, PRECISION)
     return finish(acc, m_i, l_i, v_scale, SIGMOID)

@@ -1,0 +1,112 @@
+"""Tile and schedule sweep for the torch tier: which tiles, pipeline depth, CTAs per SM and split floor win.
+
+The tuning ladder of ``benchmarks/NOTES.md`` is measured with this script. Decode is memory-bound: what
+matters is how many bytes are in flight per SM (tile width x pipeline depth x CTAs per SM) and how finely
+the plan splits the KV (more items fill the GPU; each item costs a prologue and a merge). Prefill is
+FLOP-bound: what matters is the tile shape the tensor cores see and how evenly the causal work spreads over
+the SMs (more CTAs than SMs lets the hardware balance what the static plan cannot).
+
+Each point is a :meth:`harness.Suite.measure` of ``bsrattn-torch`` (correctness against the float64 reference
+first, then eager and graph timing, L2 flushed before every sample) with the configuration's knobs set in
+:mod:`bsrattn.torch_cuda.config` for the duration of the plan and the run. Writes
+``benchmarks/results/tune.json`` and prints the best point per case.
+
+Run on the GPU: ``python3 benchmarks/tune.py [--samples 50] [--impls ...]``; ``--cases w1,w3`` picks cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bsrattn as ba  # noqa: E402
+from benchmarks import harness, w1_quest_decode as w1, w2_paged_decode as w2, w3_prefill as w3  # noqa: E402
+from bsrattn.torch_cuda import config as cfg  # noqa: E402
+
+WORKLOAD = "tune"
+TITLE = "torch tier tile and schedule sweep"
+DECODE = dict(block_n=(64, 128), warps=(4, 8), stages=(2, 3, 4), ctas_per_sm=(1, 2), min_split=(128, 256, 512))
+PREFILL = dict(block_m=(64, 128), block_n=(64, 128), warps=(4, 8), stages=(2, 3), ctas_per_sm=(1, 4))
+CASES = {
+    "w1": [("decode", f"W1 quest {n}/{b}", lambda s, n=n, b=b: w1.make_case(s, n, b, w1.GPU_SHAPE))
+           for n, b in ((32768, 64), (32768, 512))],
+    "w2": [("decode", f"W2 paged {b}x{n}", lambda s, b=b, n=n: w2.make_case(s, w2.GPU_SHAPE, "float16", [n] * b))
+           for b, n in ((1, 1024), (16, 4096), (256, 16384))],
+    "w3": [("prefill", f"W3 prefill {w3.label(spec)}",
+            lambda s, spec=spec: w3.make_case(s, w3.GPU_SHAPE, w3.lengths(s.rng, spec), "ragged"))
+           for spec in (("const", 16, 1024), ("uniform", 16, 256, 1792), ("const", 1, 8192))],
+}
+DRY_CASES = [("decode", "W1 dry", lambda s: w1.make_case(s, 256, 8, w1.DRY_SHAPE)),
+             ("decode", "W2 dry", lambda s: w2.make_case(s, w2.DRY_SHAPE, "float16", [40, 9])),
+             ("prefill", "W3 dry", lambda s: w3.make_case(s, w3.DRY_SHAPE, [24, 7], "ragged"))]
+"""A dry run (``--dry-run``, the CPU, tiny shapes) checks one point of each sweep on these: the plumbing only."""
+
+
+@contextlib.contextmanager
+def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=None):
+    """Set the tier's tile and schedule choices for ``kind`` ("decode" or "prefill"), restored on exit."""
+    saved = cfg.tiles, dict(cfg.CTAS_PER_SM), cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M
+    cfg.tiles = lambda m, head_dim, dtype: cfg.Tiles(m, block_n, warps, stages)
+    cfg.CTAS_PER_SM[kind] = ctas_per_sm
+    cfg.DECODE_MIN_SPLIT = min_split or cfg.DECODE_MIN_SPLIT
+    cfg.PREFILL_BLOCK_M = block_m or cfg.PREFILL_BLOCK_M
+    try:
+        yield
+    finally:
+        cfg.tiles, cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M = saved[0], saved[2], saved[3]
+        cfg.CTAS_PER_SM.update(saved[1])
+
+
+def measure(suite, config, case):
+    """One point of ``bsrattn-torch``: W1 runs on its per-head views, W2 and W3 on their layouts."""
+    if isinstance(case, w1.Case):
+        d = case.shape.head_dim
+        harness.measure_bsrattn(suite, config, "bsrattn-torch", "torch", case.layout, *case.views,
+                                plan=dict(num_qo_heads=1, num_kv_heads=1, head_dim=d, q_dtype="float16",
+                                          kv_dtype="float16"),
+                                out=case.out, shape=(case.shape.heads, 1, d), rows=case.rows,
+                                expected=case.expected, dtype="float16", bytes_needed=case.bytes_needed)
+    elif isinstance(case, w2.Case):
+        w2.measure_bsrattn(suite, config, case, "torch")
+    else:
+        s = case.shape
+        harness.measure_bsrattn(suite, config, "bsrattn-torch", "torch", case.layout, case.q, case.k, case.v,
+                                plan=dict(num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads,
+                                          head_dim=s.head_dim, variant=ba.Variant(causal=True), q_dtype=s.dtype,
+                                          kv_dtype=s.dtype),
+                                out=case.out, **case.check_args())
+
+
+def run(suite, cases) -> None:
+    for kind, name, make in cases:
+        case = make(suite)
+        sweep = DECODE if kind == "decode" else PREFILL
+        points = [dict(zip(sweep, values)) for values in itertools.product(*sweep.values())]
+        points = points[:1] if suite.dry_run else points
+        for point, config in suite.configs(points, lambda p, name=name: {"case": name, **p}):
+            with knobs(kind, **point):
+                measure(suite, config, case)
+        best = min((r for r in suite.records if r["config"].get("case") == name and "time_us" in r),
+                   key=lambda r: r["time_us"], default=None)
+        if best is not None:
+            print(f"{name}: best {best['time_us']:.1f} us ({best.get('fraction', 0):.2f} of the bound) at "
+                  f"{ {k: v for k, v in best['config'].items() if k != 'case'} }", flush=True)
+        del case
+
+
+def main(argv=None):
+    p = harness.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="w1,w2,w3", help=f"comma-separated, from {sorted(CASES)}")
+    args = p.parse_args(argv)
+    suite = harness.Suite(WORKLOAD, TITLE, args)
+    run(suite, DRY_CASES if suite.dry_run else [c for key in args.cases.split(",") for c in CASES[key.strip()]])
+    suite.finish()
+
+
+if __name__ == "__main__":
+    main()
