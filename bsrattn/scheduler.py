@@ -16,9 +16,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from bsrattn import indexing
-
 __all__ = ["WorkPlan", "plan", "round_robin", "makespan", "simulate", "SimulationResult", "DISTRIBUTIONS"]
+
+_INT32_MAX = np.iinfo(np.int32).max
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,9 +102,11 @@ def _check_lengths(qo_lens, kv_lens):
             raise TypeError(f"{name} must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
         if (arr < 0).any():
             raise ValueError(f"{name} must be >= 0, got {arr.tolist()[:8]}")
+        if (arr > _INT32_MAX).any():
+            raise ValueError(f"{name} must fit in int32 (a plan's arrays are int32), got {arr.max()}")
     if qo.shape != kv.shape:
         raise ValueError(f"qo_lens {qo.shape} and kv_lens {kv.shape} must have the same shape")
-    return qo.astype(np.int64), kv.astype(np.int64)
+    return qo.astype(np.int32, copy=False), kv.astype(np.int32, copy=False)
 
 
 def _check_positive(**values):
@@ -113,80 +115,90 @@ def _check_positive(**values):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _chunk_size(qo, kv, num_ctas, tile_q, fixed_split_size, disable_split_kv, min_split_size, kv_align):
-    """Algorithm 1's ``L_kv = ceil(sum ceil(l_qo/T_q) * l_kv / num_ctas)``, bounded below and aligned; 0 = no split."""
-    if disable_split_kv:
-        return 0
-    if fixed_split_size is not None:
-        return int(fixed_split_size)
-    total = int((indexing.ceil_div(qo, tile_q) * kv).sum())
-    size = max(indexing.ceil_div(total, num_ctas), min_split_size, 1)
-    return int(indexing.ceil_div(size, kv_align) * kv_align)
+def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_align, balance):
+    """Algorithm 1 with explicit loops (compiled by Numba when present); the plan comes back as one flat array.
 
-
-def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, chunk, balance):
-    """Items, their CTA order, partial rows and merge lists, with explicit loops (compiled by Numba when present).
-
-    ``chunk == 0`` disables splitting. ``balance`` selects Algorithm 1 (longest first onto the least-loaded
+    ``split`` is the KV chunk size when positive; 0 asks for Algorithm 1's
+    ``L_kv = ceil(sum_r ceil(l_qo/T_q) * l_kv / num_ctas)``, at least ``min_split_size`` and rounded up to
+    ``kv_align``; -1 disables splitting. ``balance`` selects Algorithm 1 (longest first onto the least-loaded
     CTA); otherwise query tile ``i`` goes to CTA ``i % num_ctas`` (round robin).
+
+    Returns ``(flat, chunk, W, M, P, num_partial_rows)``. ``flat`` is int32: ``cta_indptr [num_ctas+1]``,
+    the seven item arrays ``[W]`` (row, qo_start, qo_end, kv_start, kv_end, partial, cost) in CTA order,
+    ``merge_indptr [M+1]``, ``merge_partials [P]``, ``merge_qo_start [M]`` and ``merge_qo_end [M]``, back to
+    back (:func:`_make_plan` slices it): one array crosses into Python rather than twelve, each of which
+    Numba would box separately.
     """
-    num_rows = qo_lens.size
+    # int64 from here on, whatever the callers' int width: sums and chunk ends must not wrap.
+    qo = qo_lens.astype(np.int64)
+    kv = kv_lens.astype(np.int64)
+    num_rows = qo.size
+    chunk = 0
+    if split > 0:
+        chunk = split
+    elif split == 0:
+        total = 0
+        for r in range(num_rows):
+            total += (qo[r] + tile_q - 1) // tile_q * kv[r]
+        size = max((total + num_ctas - 1) // num_ctas, min_split_size, 1)
+        chunk = (size + kv_align - 1) // kv_align * kv_align
+    chunks = np.ones(num_rows, np.int64)
     n_items = 0
-    n_tiles = 0
     for r in range(num_rows):
-        tiles = (qo_lens[r] + tile_q - 1) // tile_q
-        chunks = 1 if chunk == 0 else max(1, (kv_lens[r] + chunk - 1) // chunk)
-        n_tiles += tiles
-        n_items += tiles * chunks
+        if chunk > 0:
+            chunks[r] = max(1, (kv[r] + chunk - 1) // chunk)
+        n_items += (qo[r] + tile_q - 1) // tile_q * chunks[r]
     row = np.empty(n_items, np.int64)
     qs = np.empty(n_items, np.int64)
     qe = np.empty(n_items, np.int64)
     ks = np.empty(n_items, np.int64)
     ke = np.empty(n_items, np.int64)
     tile = np.empty(n_items, np.int64)
-    split = np.empty(n_items, np.bool_)
+    split_tile = np.empty(n_items, np.bool_)
     w = 0
     t = 0
     q_base = 0
     for r in range(num_rows):
-        chunks = 1 if chunk == 0 else max(1, (kv_lens[r] + chunk - 1) // chunk)
-        for q0 in range(q_base, q_base + qo_lens[r], tile_q):
-            for c in range(chunks):
+        for q0 in range(q_base, q_base + qo[r], tile_q):
+            for c in range(chunks[r]):
                 row[w] = r
                 qs[w] = q0
-                qe[w] = min(q0 + tile_q, q_base + qo_lens[r])
+                qe[w] = min(q0 + tile_q, q_base + qo[r])
                 ks[w] = c * chunk
-                ke[w] = kv_lens[r] if chunk == 0 else min((c + 1) * chunk, kv_lens[r])
+                ke[w] = kv[r] if chunk == 0 else min((c + 1) * chunk, kv[r])
                 tile[w] = t
-                split[w] = chunks > 1
+                split_tile[w] = chunks[r] > 1
                 w += 1
             t += 1
-        q_base += qo_lens[r]
+        q_base += qo[r]
     cost = (qe - qs) + (ke - ks)
     owner = np.empty(n_items, np.int64)
     if balance:
-        # Longest first; a stable sort keeps equal costs in item order, so the plan is a pure function.
-        assigned = np.argsort(-cost, kind="mergesort")
-        load = np.zeros(num_ctas, np.int64)
-        cta = np.arange(num_ctas)
+        # Longest first; equal costs keep item order, so the plan is a pure function. One int64 key per item,
+        # (cost descending, item ascending), sorts faster than an argsort of the costs.
+        longest = cost.max() if n_items else 0
+        keys = (longest - cost) * n_items + np.arange(n_items)
+        keys.sort()
+        assigned = keys % max(n_items, 1)
+        # A min-heap of CTAs keyed by load * num_ctas + cta: the least-loaded CTA on top, ties to the lower id.
+        heap = np.arange(num_ctas)
         for i in range(n_items):
             item = assigned[i]
-            owner[item] = cta[0]
-            load[0] += cost[item]
-            # Sift the root down: the heap is ordered by (load, cta id), so ties go to the lower id.
+            owner[item] = heap[0] % num_ctas
+            top = heap[0] + cost[item] * num_ctas
+            # Sift the root's new key down.
             p = 0
             while True:
-                low = p
                 child = 2 * p + 1
-                while child < min(2 * p + 3, num_ctas):
-                    if load[child] < load[low] or (load[child] == load[low] and cta[child] < cta[low]):
-                        low = child
-                    child += 1
-                if low == p:
+                if child >= num_ctas:
                     break
-                load[p], load[low] = load[low], load[p]
-                cta[p], cta[low] = cta[low], cta[p]
-                p = low
+                if child + 1 < num_ctas and heap[child + 1] < heap[child]:
+                    child += 1
+                if heap[child] > top:
+                    break
+                heap[p] = heap[child]
+                p = child
+            heap[p] = top
     else:
         assigned = np.arange(n_items)
         for i in range(n_items):
@@ -209,29 +221,36 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, chunk, balance):
     n_merges = 0
     n_merge_items = 0
     for i in range(n_items):
-        if split[i]:
+        if split_tile[i]:
             partial[i] = n_partial_rows
             n_partial_rows += qe[i] - qs[i]
             n_merge_items += 1
             if i == 0 or tile[i - 1] != tile[i]:
                 n_merges += 1
-    merge_indptr = np.zeros(n_merges + 1, np.int64)
-    merge_partials = np.empty(n_merge_items, np.int64)
-    merge_qs = np.empty(n_merges, np.int64)
-    merge_qe = np.empty(n_merges, np.int64)
+    flat = np.empty(num_ctas + 1 + 7 * n_items + n_merges + 1 + n_merge_items + 2 * n_merges, np.int32)
+    flat[:num_ctas + 1] = cta_indptr
+    at = num_ctas + 1
+    for column in (row, qs, qe, ks, ke, partial, cost):
+        for i in range(n_items):
+            flat[at + i] = column[order[i]]
+        at += n_items
+    indptr_at = at
+    partials_at = indptr_at + n_merges + 1
+    qs_at = partials_at + n_merge_items
+    qe_at = qs_at + n_merges
+    flat[indptr_at] = 0
     m = -1
     j = 0
     for i in range(n_items):
-        if split[i]:
+        if split_tile[i]:
             if i == 0 or tile[i - 1] != tile[i]:
                 m += 1
-                merge_qs[m] = qs[i]
-                merge_qe[m] = qe[i]
-            merge_partials[j] = partial[i]
+                flat[qs_at + m] = qs[i]
+                flat[qe_at + m] = qe[i]
+            flat[partials_at + j] = partial[i]
             j += 1
-            merge_indptr[m + 1] = j
-    return (cta_indptr, row[order], qs[order], qe[order], ks[order], ke[order], partial[order], cost[order],
-            merge_indptr, merge_partials, merge_qs, merge_qe, n_partial_rows)
+            flat[indptr_at + m + 1] = j
+    return flat, chunk, n_items, n_merges, n_merge_items, n_partial_rows
 
 
 _compiled_core = None
@@ -253,10 +272,25 @@ def _core():
     return _compiled_core
 
 
-def _make_plan(qo, kv, num_ctas, tile_q, chunk, balance) -> WorkPlan:
-    arrays = _core()(qo, kv, int(num_ctas), int(tile_q), int(chunk), balance)
-    i32 = [np.ascontiguousarray(a, dtype=np.int32) for a in arrays[:-1]]
-    return WorkPlan(int(num_ctas), int(tile_q), int(chunk), *i32, num_partial_rows=int(arrays[-1]))
+def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance) -> WorkPlan:
+    """The :class:`WorkPlan` of int32 lengths ``qo``, ``kv`` (checked by the caller); its arrays are views of one."""
+    num_ctas, tile_q = int(num_ctas), int(tile_q)
+    flat, chunk, w, m, p, rows = _core()(qo, kv, num_ctas, tile_q, int(split), int(min_split_size), int(kv_align),
+                                         balance)
+    w, m, p = int(w), int(m), int(p)
+    arrays = []
+    at = 0
+    for size in (num_ctas + 1, w, w, w, w, w, w, w, m + 1, p, m, m):
+        arrays.append(flat[at:at + size])
+        at += size
+    return WorkPlan(num_ctas, tile_q, int(chunk), *arrays, num_partial_rows=int(rows))
+
+
+def _split(fixed_split_size, disable_split_kv) -> int:
+    """:func:`_plan_core`'s ``split`` for :func:`plan`'s options."""
+    if disable_split_kv:
+        return -1
+    return 0 if fixed_split_size is None else fixed_split_size
 
 
 def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
@@ -291,11 +325,19 @@ def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: 
     (28, 5, 1)
     """
     qo, kv = _check_lengths(qo_lens, kv_lens)
+    return _plan_valid(qo, kv, num_ctas=num_ctas, tile_q=tile_q, fixed_split_size=fixed_split_size,
+                       disable_split_kv=disable_split_kv, min_split_size=min_split_size, kv_align=kv_align)
+
+
+def _plan_valid(qo, kv, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
+                disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1) -> WorkPlan:
+    """:func:`plan` for lengths known to be valid (a :class:`~bsrattn.layout.BSRLayout`'s ``qo_lens`` and
+    ``kv_lens``, int32 and checked when the layout was built): only the options are checked."""
     _check_positive(num_ctas=num_ctas, tile_q=tile_q, min_split_size=min_split_size, kv_align=kv_align)
     if fixed_split_size is not None:
         _check_positive(fixed_split_size=fixed_split_size)
-    chunk = _chunk_size(qo, kv, num_ctas, tile_q, fixed_split_size, disable_split_kv, min_split_size, kv_align)
-    return _make_plan(qo, kv, num_ctas, tile_q, chunk, True)
+    return _make_plan(qo, kv, num_ctas, tile_q, _split(fixed_split_size, disable_split_kv), min_split_size,
+                      kv_align, True)
 
 
 def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan:
@@ -310,7 +352,7 @@ def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan
     """
     qo, kv = _check_lengths(qo_lens, kv_lens)
     _check_positive(num_ctas=num_ctas, tile_q=tile_q)
-    return _make_plan(qo, kv, num_ctas, tile_q, 0, False)
+    return _make_plan(qo, kv, num_ctas, tile_q, -1, 1, 1, False)
 
 
 def makespan(work_plan: WorkPlan, cost=None) -> float:

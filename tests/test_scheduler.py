@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
+from dataclasses import fields
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -51,6 +54,45 @@ def test_round_robin_covers_every_row_and_kv_slot_exactly_once(lens, num_ctas, t
     # Tiles have distinct first query rows, so sorting items by it lists the tiles in order: tile i on CTA i % n.
     owner = np.repeat(np.arange(num_ctas), np.diff(work_plan.cta_indptr))
     np.testing.assert_array_equal(owner[np.argsort(work_plan.item_qo_start)], np.arange(work_plan.num_items) % num_ctas)
+
+
+@given(lengths(), plan_kwargs())
+def test_least_loaded_assignment_matches_a_heapq_construction(lens, kwargs):
+    """Each CTA runs the items Algorithm 1 gives it, in the order it gives them: items longest first (equal
+    costs in (tile, chunk) order), each onto the least-loaded CTA, ties to the lower CTA id."""
+    work_plan = scheduler.plan(*lens, **kwargs)
+    created = np.lexsort((work_plan.item_kv_start, work_plan.item_qo_start))  # (tile, chunk) order
+    longest_first = created[np.argsort(-work_plan.item_cost[created], kind="stable")]
+    heap = [(0, c) for c in range(work_plan.num_ctas)]
+    runs = [[] for _ in range(work_plan.num_ctas)]
+    for w in longest_first:
+        load, c = heapq.heappop(heap)
+        runs[c].append((int(work_plan.item_qo_start[w]), int(work_plan.item_kv_start[w])))
+        heapq.heappush(heap, (load + int(work_plan.item_cost[w]), c))
+    for c, want in enumerate(runs):
+        items = range(work_plan.cta_indptr[c], work_plan.cta_indptr[c + 1])
+        assert [(int(work_plan.item_qo_start[w]), int(work_plan.item_kv_start[w])) for w in items] == want, f"CTA {c}"
+
+
+@given(lengths(), plan_kwargs())
+def test_compiled_core_and_its_python_fallback_plan_the_same(lens, kwargs):
+    """Without Numba the scheduler runs the same source as plain Python: the same plan, bit for bit."""
+    compiled = scheduler.plan(*lens, **kwargs)
+    saved = scheduler._compiled_core
+    scheduler._compiled_core = scheduler._plan_core
+    try:
+        fallback = scheduler.plan(*lens, **kwargs)
+    finally:
+        scheduler._compiled_core = saved
+    assert compiled.equals(fallback)
+    for plan_ in (compiled, fallback):
+        assert all(type(getattr(plan_, f)) is int for f in ("num_ctas", "tile_q", "kv_chunk_size", "num_partial_rows"))
+        assert all(getattr(plan_, f.name).dtype == np.int32 for f in fields(plan_) if f.type == "np.ndarray")
+
+
+def test_lengths_must_fit_int32():
+    with pytest.raises(ValueError, match="kv_lens must fit in int32"):
+        scheduler.plan([1], [2**31], num_ctas=2)
 
 
 @given(lengths(), plan_kwargs())
