@@ -19,7 +19,6 @@ import bsrattn as ba
 from bsrattn import reference
 from bsrattn.testing import assert_close
 from bsrattn.torch_cuda import config as tcfg
-from bsrattn.torch_cuda.plan_buffers import first_slots
 from bsrattn.torch_cuda.tensors import check_device, to_numpy
 
 DEVICE = "cpu" if tcfg.interpreting() else "cuda"
@@ -112,13 +111,6 @@ def test_quest_per_head_views():
     views = ba.layouts.per_head_views(tensor(q), tensor(k), tensor(v), hkv)
     got = ba.attention(*views, layout, backend="torch", return_lse=True)
     check(got, ba.attention(*ba.layouts.per_head_views(q, k, v, hkv), layout, return_lse=True))
-
-
-def test_affine_rows_take_the_dense_path():
-    lay = ba.layouts.vector_sparse([[4, 5, 6, 7], [9, 2, 3], [], [11]], [1, 1, 1, 1], num_slots=12)
-    assert first_slots(lay).tolist() == [4, -1, -1, 11]
-    paged = ba.layouts.paged([1, 1], [[3, 4, 5], [2, 0]], kv_lens=[20, 9], page_size=8, num_pages=6)
-    assert first_slots(paged).tolist() == [24, -1]
 
 
 # ---- variants, through split plans --------------------------------------------------------------------

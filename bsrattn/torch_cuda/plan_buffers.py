@@ -2,9 +2,9 @@
 
 A CUDA graph records device pointers and launch arguments, not values. So everything that changes from
 one step to the next (the work items, the layout's indices, the custom mask) lives in device buffers whose
-addresses and section offsets depend only on their *capacity*; ``plan`` rewrites their contents with one
-host-to-device copy; the partial-state workspace and the merge counters keep fixed offsets. While a new
-plan fits the capacity, every pointer and scalar the kernel sees is unchanged.
+addresses and section offsets depend only on their *capacity*; ``plan`` rewrites their contents; the
+partial-state workspace and the merge counters keep fixed offsets. While a new plan fits the capacity,
+every pointer and scalar the kernel sees is unchanged.
 
 One int32 buffer holds every plan array, at 64-byte aligned offsets:
 
@@ -19,12 +19,16 @@ One int32 buffer holds every plan array, at 64-byte aligned offsets:
 An item row carries everything the kernel needs about its block row and its merge, so a program reads one
 64-byte row and no per-row array: one round trip to memory before the KV loop starts, not two.
 
-The custom mask (one byte per element) follows in the same allocation, so one copy moves everything.
+The custom mask (one byte per element) follows in the same allocation.
+
+A refill is one compiled pass (:func:`_pack`, Numba) that writes every section into pinned host staging,
+then one asynchronous copy of the bytes the plan uses: the sections up to the end of its ``kv_indices``
+(and its mask, when it has one), not the whole capacity.
 """
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields, replace
+from dataclasses import astuple, dataclass, replace
 
 import numpy as np
 import torch
@@ -73,8 +77,9 @@ class Capacity:
                    layout.kv_indices.size, mask, work_plan.num_partial_rows)
 
     def fits(self, need: "Capacity") -> bool:
-        return self.num_ctas == need.num_ctas and all(
-            getattr(self, f.name) >= getattr(need, f.name) for f in fields(self) if f.name != "num_ctas")
+        return (self.num_ctas == need.num_ctas and self.items >= need.items and self.merges >= need.merges
+                and self.partials >= need.partials and self.nnz >= need.nnz and self.mask >= need.mask
+                and self.partial_rows >= need.partial_rows)
 
     def grown(self, work_plan, num_qo_heads: int, head_dim: int) -> "Capacity":
         """Headroom for later plans of the same batch, so a captured graph survives a change of lengths.
@@ -100,50 +105,114 @@ class Capacity:
                 "alibi": num_qo_heads, "kv_indices": self.nnz}
 
 
-def first_slots(layout) -> np.ndarray:
-    """``[R]`` first pool slot of each row whose blocks are consecutive pool blocks, -1 for the others.
+# Offsets of the item-row fields, as constants of the compiled pass (as the kernel reads them).
+_QO_START, _QO_END = ITEM["qo_start"], ITEM["qo_end"]
+_KV_START, _KV_END = ITEM["kv_start"], ITEM["kv_end"]
+_PARTIAL, _MERGE = ITEM["partial"], ITEM["merge"]
+_PARTS_LO, _PARTS_HI = ITEM["parts_lo"], ITEM["parts_hi"]
+_QO_FIRST, _QO_LEN, _KV_LEN = ITEM["qo_first"], ITEM["qo_len"], ITEM["kv_len"]
+_BLOCK_START, _FIRST_SLOT = ITEM["block_start"], ITEM["first_slot"]
+_MASK_START, _ROW = ITEM["mask_start"], ITEM["row"]
+_NUM_FIELDS = len(ITEM_FIELDS)
+_NO_ALIBI = np.zeros(0, dtype=np.int32)
 
-    Those rows take the dense (affine) load path. The choice is per row and read at run time, so a captured
-    CUDA graph stays valid whichever rows a later plan makes affine.
+
+def _pack(out,  # [plan elements] int32: the host staging of the plan sections
+          cta_at, items_at, merge_at, alibi_at, kv_at,  # the sections' offsets in out, in SECTIONS order
+          cta_indptr,  # [num_ctas+1]
+          item_row, item_qo_start, item_qo_end, item_kv_start, item_kv_end, item_partial,  # [W]
+          merge_indptr, merge_partials, num_partial_rows,  # [M+1]; [P]; int
+          qo_indptr, kv_indptr,  # [R+1]
+          kv_indices,  # [nnz]
+          kv_last_len,  # [R]
+          mask_indptr,  # [R+1] int64
+          block_size,
+          alibi_bits):  # [num_qo_heads] int32, the slopes' float32 bits ([0] without ALiBi)
+    """Write every plan section into ``out`` in one pass, with explicit loops (compiled by Numba when present).
+
+    The item rows (:data:`ITEM_FIELDS`) are the work plan's items in CTA order, each with its merge and
+    its block row's fields. ``first_slot`` is ``kv_indices[kv_indptr[r]] * block_size`` for a row whose
+    blocks are consecutive pool blocks (it takes the dense, affine load path), -1 for any other row (an
+    empty one too). The choice is per row and read at run time, so a captured CUDA graph stays valid
+    whichever rows a later plan makes affine.
     """
-    idx = layout.kv_indices.astype(np.int64)
-    starts, ends = layout.kv_indptr[:-1].astype(np.int64), layout.kv_indptr[1:].astype(np.int64)
-    # breaks[j]: steps idx[i-1] -> idx[i], i <= j, that are not +1. Row [s, e) is affine when none of its
-    # own steps (s < i < e) breaks, i.e. breaks[e-1] == breaks[s]; the step into a row is not its own.
-    breaks = np.zeros(max(idx.size, 1), dtype=np.int64)
-    np.cumsum(np.diff(idx) != 1, out=breaks[1:])
-    affine = (ends > starts) & (breaks[np.maximum(ends - 1, 0)] == breaks[np.minimum(starts, breaks.size - 1)])
-    first = idx[np.minimum(starts, max(idx.size - 1, 0))] * layout.block_size if idx.size else np.zeros_like(starts)
-    return np.where(affine, first, -1).astype(np.int32)
+    # Copies are loops over section views: Numba's slice assignment does not vectorise, these do (memcpy speed).
+    section = out[cta_at:cta_at + cta_indptr.size]
+    for i in range(cta_indptr.size):
+        section[i] = cta_indptr[i]
+    section = out[merge_at:merge_at + merge_partials.size]
+    for i in range(merge_partials.size):
+        section[i] = merge_partials[i]
+    section = out[alibi_at:alibi_at + alibi_bits.size]
+    for i in range(alibi_bits.size):
+        section[i] = alibi_bits[i]
+    section = out[kv_at:kv_at + kv_indices.size]
+    for i in range(kv_indices.size):
+        section[i] = kv_indices[i]
+    num_rows = kv_indptr.size - 1
+    first_slot = np.full(num_rows, -1, np.int64)
+    any_affine = False
+    for r in range(num_rows):
+        start = kv_indptr[r]
+        end = kv_indptr[r + 1]
+        if end > start:
+            affine = True
+            for i in range(start + 1, end):
+                if kv_indices[i] != kv_indices[i - 1] + 1:
+                    affine = False  # scattered pages fail at the first step: the scan is short
+                    break
+            if affine:
+                first_slot[r] = kv_indices[start] * block_size
+                any_affine = True
+    # The merge a split item's partial state belongs to, by the state's first workspace row.
+    merge_of = np.full(max(num_partial_rows, 1), -1, np.int64)
+    for m in range(merge_indptr.size - 1):
+        for j in range(merge_indptr[m], merge_indptr[m + 1]):
+            merge_of[merge_partials[j]] = m
+    num_items = item_row.size
+    items = out[items_at:items_at + num_items * ITEM_STRIDE].reshape((num_items, ITEM_STRIDE))
+    for w in range(num_items):
+        r = item_row[w]
+        partial = item_partial[w]
+        merge = merge_of[partial] if partial >= 0 else -1
+        items[w, _QO_START] = item_qo_start[w]
+        items[w, _QO_END] = item_qo_end[w]
+        items[w, _KV_START] = item_kv_start[w]
+        items[w, _KV_END] = item_kv_end[w]
+        items[w, _PARTIAL] = partial
+        items[w, _MERGE] = merge
+        items[w, _PARTS_LO] = merge_indptr[merge] if merge >= 0 else 0
+        items[w, _PARTS_HI] = merge_indptr[merge + 1] if merge >= 0 else 0
+        items[w, _QO_FIRST] = qo_indptr[r]
+        items[w, _QO_LEN] = qo_indptr[r + 1] - qo_indptr[r]
+        blocks = kv_indptr[r + 1] - kv_indptr[r]
+        items[w, _KV_LEN] = (blocks - 1) * block_size + kv_last_len[r] if blocks > 0 else 0  # BSRLayout.kv_lens
+        items[w, _BLOCK_START] = kv_indptr[r]
+        items[w, _FIRST_SLOT] = first_slot[r]
+        items[w, _MASK_START] = mask_indptr[r]
+        items[w, _ROW] = r
+        for f in range(_NUM_FIELDS, ITEM_STRIDE):
+            items[w, f] = 0
+    return any_affine
 
 
-def item_merges(work_plan) -> np.ndarray:
-    """``[W]`` the merge each item's partial state belongs to, -1 for items that write the output."""
-    merge_of_start = np.full(max(work_plan.num_partial_rows, 1), -1, dtype=np.int32)
-    merge_of_start[work_plan.merge_partials] = np.repeat(np.arange(work_plan.num_merges), np.diff(work_plan.merge_indptr))
-    partial = work_plan.item_partial
-    return np.where(partial >= 0, merge_of_start[np.maximum(partial, 0)], -1).astype(np.int32)
+_compiled_pack = None
 
 
-def item_rows(work_plan, layout) -> np.ndarray:
-    """``[W, ITEM_STRIDE]`` int32: the item table the kernel reads (:data:`ITEM_FIELDS`)."""
-    row = work_plan.item_row
-    merge = item_merges(work_plan)
-    split = merge >= 0
-    at = np.maximum(merge, 0)
-    bounds = np.append(work_plan.merge_indptr, 0)  # a plan without merges still indexes at 0 and 1
-    qo_first = layout.qo_indptr[row]
-    columns = {"qo_start": work_plan.item_qo_start, "qo_end": work_plan.item_qo_end,
-               "kv_start": work_plan.item_kv_start, "kv_end": work_plan.item_kv_end,
-               "partial": work_plan.item_partial, "merge": merge,
-               "parts_lo": np.where(split, bounds[at], 0), "parts_hi": np.where(split, bounds[at + 1], 0),
-               "qo_first": qo_first, "qo_len": layout.qo_indptr[row + 1] - qo_first, "kv_len": layout.kv_lens[row],
-               "block_start": layout.kv_indptr[row], "first_slot": first_slots(layout)[row],
-               "mask_start": layout.mask_indptr[row], "row": row}
-    table = np.zeros((work_plan.num_items, ITEM_STRIDE), dtype=np.int32)
-    for name, column in columns.items():
-        table[:, ITEM[name]] = column
-    return table
+def _packer():
+    """:func:`_pack`, compiled with ``numba.njit`` when Numba is installed (a pure-Python fallback otherwise).
+
+    Compiled lazily, like :func:`bsrattn.scheduler._core`.
+    """
+    global _compiled_pack
+    if _compiled_pack is None:
+        try:
+            import numba
+        except ImportError:
+            _compiled_pack = _pack
+        else:
+            _compiled_pack = numba.njit(cache=True)(_pack)
+    return _compiled_pack
 
 
 class PlanBuffers:
@@ -152,10 +221,12 @@ class PlanBuffers:
     ``part_o [partial_rows, num_qo_heads, head_dim]`` and ``part_lse [partial_rows, num_qo_heads]`` (float32)
     hold split items' partial states; ``counters [merges, num_kv_heads]`` (int32, zero between launches)
     count the partial states of each split tile as they land, so the CTA that writes the last one merges.
+    ``host_staging`` (default: on a CUDA device) fills a host copy, pinned on CUDA, and copies the bytes a
+    plan uses to the device; without it the plan is written in place (the CPU, under the Triton interpreter).
     """
 
     def __init__(self, capacity: Capacity, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device):
+                 device: torch.device, host_staging: bool | None = None):
         self.capacity = capacity
         self.shape_key = (num_qo_heads, num_kv_heads, head_dim, device)
         self.offsets = {}
@@ -163,14 +234,22 @@ class PlanBuffers:
         for name, size in capacity.section_sizes(num_qo_heads).items():
             self.offsets[name] = (at, size)
             at += -(-max(size, 1) // _ALIGN) * _ALIGN
+        # Flat (offset, size) pairs in SECTIONS order: the form the attention op takes them in.
+        self.sections = [x for name in SECTIONS for x in self.offsets[name]]
+        self._section_at = self.sections[::2]
         self._plan_bytes = 4 * at
         total = self._plan_bytes + max(capacity.mask, 1)
         self.device = device
         self.raw = torch.zeros(total, dtype=torch.uint8, device=device)
-        # Host staging in pinned memory, so the refill is one asynchronous copy in stream order.
-        self.staging = (torch.zeros(total, dtype=torch.uint8, pin_memory=True) if device.type == "cuda"
+        if host_staging is None:
+            host_staging = device.type == "cuda"
+        # Pinned on CUDA, so the refill is one asynchronous copy in stream order.
+        self.staging = (torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda") if host_staging
                         else self.raw)
-        self._copied = None
+        host = self.staging.numpy()
+        self._host_plan = host[:self._plan_bytes].view(np.int32)
+        self._host_mask = host[self._plan_bytes:]
+        self._copied = torch.cuda.Event() if host_staging and device.type == "cuda" else None
         self.plan = self.raw[:self._plan_bytes].view(torch.int32)
         self.mask = self.raw[self._plan_bytes:]
         rows = max(capacity.partial_rows, 1)
@@ -191,25 +270,40 @@ class PlanBuffers:
     def alibi(self) -> torch.Tensor:
         return self.section("alibi").view(torch.float32)
 
-    def fill(self, work_plan, layout, alibi_slopes=None) -> None:
-        """Write ``work_plan``, ``layout``'s arrays and the ALiBi slopes in place (one host-to-device copy)."""
+    def used_bytes(self, layout) -> tuple:
+        """``(plan, mask)``: the bytes of the plan region and of the mask region that a plan over ``layout`` uses.
+
+        The plan's sections end with ``kv_indices``, so its bytes are a prefix: up to the end of the layout's
+        indices. The unused capacity after it, and after the mask, is never copied.
+        """
+        mask = 0 if layout.custom_mask is None else layout.custom_mask.size
+        return 4 * (self.offsets["kv_indices"][0] + layout.kv_indices.size), mask
+
+    def fill(self, work_plan, layout, alibi_slopes=None) -> bool:
+        """Write ``work_plan``, ``layout``'s arrays and the ALiBi slopes in place; whether some row is affine.
+
+        One compiled pass (:func:`_pack`) writes every section into the host staging; the bytes the plan
+        uses (:meth:`used_bytes`) then go to the device in one asynchronous copy (two with a custom mask).
+        """
         mask_indptr = layout.mask_indptr
         if mask_indptr[-1] > _INT32_MAX:
             raise ValueError(f"custom_mask has {mask_indptr[-1]} elements; the torch tier indexes it with int32")
-        values = {"cta_indptr": work_plan.cta_indptr, "items": item_rows(work_plan, layout).reshape(-1),
-                  "merge_partials": work_plan.merge_partials, "kv_indices": layout.kv_indices}
-        if alibi_slopes is not None:
-            values["alibi"] = np.asarray(alibi_slopes, dtype=np.float32).view(np.int32)
         if self._copied is not None:
             self._copied.synchronize()  # the previous refill's copy must have left the staging buffer
-        host = self.staging.numpy()
-        host_plan = host[:self._plan_bytes].view(np.int32)
-        for name, value in values.items():
-            at, _ = self.offsets[name]
-            host_plan[at:at + value.size] = value
+        alibi = _NO_ALIBI if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float32).view(np.int32)
+        wp = work_plan
+        any_affine = _packer()(self._host_plan, *self._section_at, wp.cta_indptr, wp.item_row, wp.item_qo_start, wp.item_qo_end,
+                  wp.item_kv_start, wp.item_kv_end, wp.item_partial, wp.merge_indptr, wp.merge_partials,
+                  wp.num_partial_rows, layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_len,
+                  mask_indptr, layout.block_size, alibi)
         if layout.custom_mask is not None:
-            host[self._plan_bytes:self._plan_bytes + layout.custom_mask.size] = layout.custom_mask
+            self._host_mask[:layout.custom_mask.size] = layout.custom_mask.view(np.uint8)
         if self.staging is not self.raw:
-            self.raw.copy_(self.staging, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            plan_bytes, mask_bytes = self.used_bytes(layout)
+            self.raw[:plan_bytes].copy_(self.staging[:plan_bytes], non_blocking=True)
+            if mask_bytes:
+                at = self._plan_bytes
+                self.raw[at:at + mask_bytes].copy_(self.staging[at:at + mask_bytes], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+        return bool(any_affine)

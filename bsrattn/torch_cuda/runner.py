@@ -20,7 +20,7 @@ import torch
 
 from bsrattn import scheduler
 from bsrattn.torch_cuda import config as cfg
-from bsrattn.torch_cuda.plan_buffers import SECTIONS, Capacity, PlanBuffers
+from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
 from bsrattn.torch_cuda.tensors import SUPPORTED, check_device, default_device, device_of, to_numpy, to_torch, \
     write_back
 from bsrattn.validation import dtype_name
@@ -43,13 +43,15 @@ class Runner:
     """
 
     def __init__(self, spec, work_plan, device, previous=None, headroom=True):
-        check_device(device)
+        previous = previous if isinstance(previous, Runner) else None
+        if previous is None or previous.device != device:  # a runner's device was checked when it was made
+            check_device(device)
         need = Capacity.needed(work_plan, spec.layout)
         shape = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
-        if isinstance(previous, Runner) and previous.buffers.fits(need, *shape):
+        if previous is not None and previous.buffers.fits(need, *shape):
             buffers = previous.buffers
         else:
-            if isinstance(previous, Runner):
+            if previous is not None:
                 warnings.warn(f"the plan needs {need}, beyond the previous plan's buffers "
                               f"({previous.buffers.capacity}, heads/dim/device {previous.buffers.shape_key}); "
                               f"new buffers were allocated, so recapture any CUDA graph taken on the old ones "
@@ -57,12 +59,12 @@ class Runner:
             # Headroom keeps later re-plans (CUDA graphs) in place; a one-shot call needs none.
             capacity = need.grown(work_plan, spec.num_qo_heads, spec.head_dim) if headroom else need
             buffers = PlanBuffers(capacity, *shape)
-        buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
+        # The kernel carries the dense load path only for a plan with affine rows (LaunchConfig.dense_rows).
+        self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
         self.spec = spec
         self.work_plan = work_plan
         self.device = device
         self.buffers = buffers
-        self._sections = [x for name in SECTIONS for x in buffers.offsets[name]]
         self._configs = {}
 
     def launch_config(self, q_dtype: str, kv_view: str, store_lse: bool) -> cfg.LaunchConfig:
@@ -77,7 +79,8 @@ class Runner:
                 block_d=cfg.block_d(spec.head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
                 kv_view=kv_view, causal=variant.causal, window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
-                sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None, store_lse=store_lse)
+                sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None, store_lse=store_lse,
+                dense_rows=self.dense_rows)
         return self._configs[key]
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
@@ -103,7 +106,7 @@ class Runner:
                    float(spec.variant.logits_soft_cap), float(spec.variant.sigmoid_bias or 0.0)]
         b = self.buffers
         torch.ops.bsrattn.attention_run(q_t, k_t, v_t, out_t, b.no_lse if lse_t is None else lse_t, b.plan, b.mask,
-                                        b.part_o, b.part_lse, b.counters, self._sections, config.to_list(), scalars)
+                                        b.part_o, b.part_lse, b.counters, b.sections, config.to_list(), scalars)
         if as_numpy:
             o = write_back(out, out_t) if out is not None else to_numpy(out_t)
             s = None if lse_t is None else (write_back(lse, lse_t) if lse is not None else to_numpy(lse_t))
@@ -134,6 +137,6 @@ def make_runner(spec, work_plan, previous=None) -> Runner:
 def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
     """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once."""
     device = device_of(q, k, v, out, lse)
-    work_plan = scheduler.plan(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
+    work_plan = scheduler._plan_valid(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
     return Runner(spec, work_plan, device, headroom=False).run(q, k, v, out=out, lse=lse, return_lse=return_lse,
                                                                k_scale=k_scale, v_scale=v_scale)
