@@ -59,8 +59,7 @@ class Runner:
             # Headroom keeps later re-plans (CUDA graphs) in place; a one-shot call needs none.
             capacity = need.grown(work_plan, spec.num_qo_heads, spec.head_dim) if headroom else need
             buffers = PlanBuffers(capacity, *shape)
-        # The kernel carries the dense load path only for a plan with affine rows (LaunchConfig.dense_rows).
-        self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
+        buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
         self.spec = spec
         self.work_plan = work_plan
         self.device = device
@@ -79,8 +78,7 @@ class Runner:
                 block_d=cfg.block_d(spec.head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
                 kv_view=kv_view, causal=variant.causal, window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
-                sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None, store_lse=store_lse,
-                dense_rows=self.dense_rows)
+                sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None, store_lse=store_lse)
         return self._configs[key]
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
