@@ -6,10 +6,12 @@ from bsrattn import scheduler
 from bsrattn.backends import get_backend
 from bsrattn.layout import BSRLayout, Cascade
 from bsrattn.state import write_into
-from bsrattn.validation import make_spec, shape_of, spec_from_inputs
+from bsrattn.validation import AttentionSpec, make_spec, shape_of, spec_from_inputs
 from bsrattn.variant import Variant
 
 __all__ = ["attention", "BatchAttention", "merge_state", "merge_states"]
+
+_PLAIN = Variant()
 
 
 def _levels(layout):
@@ -22,6 +24,12 @@ def _levels(layout):
 
 def _level_variant(layout, level, variant):
     return layout.level_variant(level, variant) if isinstance(layout, Cascade) else variant
+
+
+def _spec_args(spec) -> tuple:
+    """``spec``'s fields after its layout: the arguments besides the layout that :func:`make_spec` built it from."""
+    return (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.variant, spec.q_dtype, spec.kv_dtype,
+            spec.kv_view)
 
 
 def _merge_levels(backend, states, variant, out, lse):
@@ -119,17 +127,21 @@ class BatchAttention:
         ``disable_split_kv`` gives each query tile one item.
         Calling ``plan`` again refills the tier's buffers in place where it can (CUDA-graph replay).
         """
-        variant = Variant() if variant is None else variant
+        variant = _PLAIN if variant is None else variant
         levels = _levels(layout)
         specs, runners = [], []
         for i, level in enumerate(levels):
-            spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, _level_variant(layout, i, variant),
-                             q_dtype, kv_dtype, kv_layout)
+            args = (num_qo_heads, num_kv_heads, head_dim, _level_variant(layout, i, variant), q_dtype, kv_dtype,
+                    kv_layout)
+            checked = _spec_args(self._specs[i]) if i < len(self._specs) else None
+            # The previous step's arguments were checked; a level is a BSRLayout (see _levels).
+            spec = AttentionSpec(level, *checked) if checked == args else make_spec(level, *args)
             options = dict(self.backend.plan_options(spec))
             if num_ctas is not None:
                 options.update(num_ctas=num_ctas, min_split_size=1, kv_align=1)
-            work_plan = scheduler.plan(level.qo_lens, level.kv_lens, fixed_split_size=fixed_split_size,
-                                       disable_split_kv=disable_split_kv, **options)
+            # A layout's lengths were checked when it was built: only the options are checked here.
+            work_plan = scheduler._plan_valid(level.qo_lens, level.kv_lens, fixed_split_size=fixed_split_size,
+                                              disable_split_kv=disable_split_kv, **options)
             previous = self._runners[i] if i < len(self._runners) else None
             runners.append(self.backend.make_runner(spec, work_plan, previous=previous))
             specs.append(spec)
