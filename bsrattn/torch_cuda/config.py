@@ -84,14 +84,21 @@ def tiles(m: int, head_dim: int, dtype: str) -> Tiles:
     return Tiles(block_m=m, block_n=64, num_warps=8, num_stages=2)
 
 
+_SMS = {}  # CUDA device index -> SM count: a device's properties do not change, and reading them costs µs
+
+
 def num_sms(device=None) -> int:
     """SMs of ``device`` (the current CUDA device by default); :data:`INTERPRETER_SMS` in the interpreter."""
     import torch
 
     if interpreting() or not torch.cuda.is_available():
         return INTERPRETER_SMS
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = None if device is None else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def plan_options(spec, device=None) -> dict:
