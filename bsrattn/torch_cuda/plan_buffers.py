@@ -302,4 +302,4 @@ class PlanBuffers:
                 at = self._plan_bytes
                 self.raw[at:at + mask_bytes].copy_(self.staging[at:at + mask_bytes], non_blocking=True)
             if self._copied is not None:
-                self._copied.record()
+                self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copies went to
