@@ -30,8 +30,8 @@ from bsrattn.torch_cuda import config as cfg  # noqa: E402
 
 WORKLOAD = "tune"
 TITLE = "torch tier tile and schedule sweep"
-DECODE = dict(block_n=(64, 128), warps=(4, 8), stages=(2, 3, 4), ctas_per_sm=(1, 2), min_split=(128, 256, 512))
-PREFILL = dict(block_m=(64, 128), block_n=(64, 128), warps=(4, 8), stages=(2, 3), ctas_per_sm=(1, 4))
+DECODE = dict(block_n=(32, 64), warps=(4, 8), stages=(2, 3, 4), ctas_per_sm=(1, 2), min_split=(256,))
+PREFILL = dict(block_m=(128,), block_n=(64, 128), warps=(8,), stages=(2, 3), ctas_per_sm=(1, 4))
 CASES = {
     "w1": [("decode", f"W1 quest {n}/{b}", lambda s, n=n, b=b: w1.make_case(s, n, b, w1.GPU_SHAPE))
            for n, b in ((32768, 64), (32768, 512))],
@@ -51,7 +51,7 @@ DRY_CASES = [("decode", "W1 dry", lambda s: w1.make_case(s, 256, 8, w1.DRY_SHAPE
 def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=None):
     """Set the tier's tile and schedule choices for ``kind`` ("decode" or "prefill"), restored on exit."""
     saved = cfg.tiles, dict(cfg.CTAS_PER_SM), cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M
-    cfg.tiles = lambda m, head_dim, dtype: cfg.Tiles(m, block_n, warps, stages)
+    cfg.tiles = lambda m, head_dim, dtype, few_items=False: cfg.Tiles(m, block_n, warps, stages)
     cfg.CTAS_PER_SM[kind] = ctas_per_sm
     cfg.DECODE_MIN_SPLIT = min_split or cfg.DECODE_MIN_SPLIT
     cfg.PREFILL_BLOCK_M = block_m or cfg.PREFILL_BLOCK_M

@@ -24,7 +24,7 @@ import pytest
 
 # name: (q dtype, kv dtype, head_dim, group size, tile_q, kv view, block size, variant flags)
 CONFIGS = {
-    "decode fp16, paged, G4": ("float16", "float16", 128, 4, 4, "NHD", 16, {}),
+    "decode fp16, paged, G4, sparse path only": ("float16", "float16", 128, 4, 4, "NHD", 16, dict(dense_rows=False)),
     "decode bf16 + fp8-e4m3 KV, ALiBi, soft cap, G8": ("bfloat16", "float8_e4m3fn", 128, 8, 2, "NHD", 16,
                                                        dict(alibi=True, soft_cap=True)),
     "decode fp16 + fp8-e5m2 KV, tree mask, window, HND, d64, M32": ("float16", "float8_e5m2", 64, 4, 8, "HND", 16,
@@ -74,7 +74,8 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
         block_n=t.block_n, block_d=cfg.block_d(head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
         kv_view=view, causal=flags.get("causal", False), window_left=flags.get("window_left", -1),
         soft_cap=flags.get("soft_cap", False), alibi=flags.get("alibi", False), sigmoid=flags.get("sigmoid", False),
-        custom_mask=flags.get("custom_mask", False), store_lse=flags.get("store_lse", not flags.get("sigmoid")))
+        custom_mask=flags.get("custom_mask", False), store_lse=flags.get("store_lse", not flags.get("sigmoid")),
+        dense_rows=flags.get("dense_rows", True))
     kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
                 "NHD3": (blocks, hkv, head_dim)}[view]
     q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))

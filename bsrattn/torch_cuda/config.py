@@ -9,10 +9,12 @@ Two shapes of work, one kernel:
   queries; few or no splits.
 
 ``num_ctas`` is CTAs per KV head (the scheduler's unit): the launch is ``num_ctas x num_kv_heads``
-programs, a fixed number of waves of the GPU, read from the device's SM count.
+programs, a fixed number of waves of the GPU, read from the device's SM count: two CTAs per SM at decode
+(both resident), four at prefill (one resident: the others queue, so the hardware evens out what the static
+plan cannot see, the causal triangle's unequal tiles; W3 16 x 1024: 645 -> 579 us).
 
 Decode chunks are whole KV tiles (``kv_align = BLOCK_N``) of at least ``DECODE_MIN_SPLIT`` slots. Measured
-on the H200 (``benchmarks/tune_decode.py``, NOTES.md): with chunks of exactly ``L_kv`` the per-row ceilings
+on the H200 (``benchmarks/tune.py``, NOTES.md): with chunks of exactly ``L_kv`` the per-row ceilings
 leave a few more items than CTAs, so a second wave of a handful of items doubles the makespan (W1, budget
 512: 288 items on 264 CTAs, 78 us); aligned chunks give 256 items in one wave (61 us), and a 256-slot
 minimum stops a small budget from being cut into 2-tile items whose prologue and merge dominate (W1,
@@ -28,7 +30,7 @@ from dataclasses import astuple, dataclass, fields
 DECODE_ROWS = 64
 """A tile whose query rows x group heads fit in this many rows is run with the decode shapes."""
 
-CTAS_PER_SM = {"decode": 2, "prefill": 1}
+CTAS_PER_SM = {"decode": 2, "prefill": 4}
 DECODE_MIN_SPLIT = 256
 PREFILL_BLOCK_M = 128
 INTERPRETER_SMS = 4
@@ -71,17 +73,22 @@ def kind_of(spec) -> str:
     return "decode" if rows <= DECODE_ROWS else "prefill"
 
 
-def tiles(m: int, head_dim: int, dtype: str) -> Tiles:
+def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False) -> Tiles:
     """Tile shapes for an M tile of ``m`` rows. ``dtype`` is ``q``'s (fp32 dots run on CUDA cores: smaller tiles).
 
-    Shared memory per pipeline stage is ``block_n x block_d`` for each of K and V, plus Q once; the choices
-    keep a CTA well inside the H200's 227 KiB, with room for two CTAs per SM at decode shapes.
+    Measured on the H200 (``benchmarks/tune.py``, NOTES.md). Decode streams KV: 3 pipeline stages keep two
+    tiles in flight behind the one being used (the tile's block ids are loaded a tile ahead), and two CTAs of
+    4 warps share an SM. A decode plan with ``few_items`` (fewer busy programs than SMs) leaves SMs idle
+    whatever the tile; 8 warps then put more loads in flight for each item (W1 at budget 64: 22.4 -> 18.2
+    us). Prefill is FLOP-bound: 128 x 64 tiles on 8 warps (two warpgroups of wgmma), 3 stages.
+    Shared memory per stage is ``block_n x block_d`` for each of K and V; every choice keeps a CTA inside the
+    H200's 227 KiB (two per SM at decode shapes).
     """
     if block_d(head_dim) > 128 or dtype == "float32":
         return Tiles(block_m=min(m, 64), block_n=32, num_warps=4, num_stages=2)
     if m <= DECODE_ROWS:
-        return Tiles(block_m=m, block_n=64, num_warps=4, num_stages=2)
-    return Tiles(block_m=m, block_n=64, num_warps=8, num_stages=2)
+        return Tiles(block_m=m, block_n=64, num_warps=8 if few_items else 4, num_stages=3)
+    return Tiles(block_m=m, block_n=64, num_warps=8, num_stages=3)
 
 
 _SMS = {}  # CUDA device index -> SM count: a device's properties do not change, and reading them costs µs
@@ -155,6 +162,9 @@ class LaunchConfig:
     sigmoid: bool
     custom_mask: bool
     store_lse: bool
+    dense_rows: bool
+    """Whether the kernel carries the dense (affine) load path: when some row of the plan is affine. The
+    sparse path serves every row, so a graph captured without it stays correct when later plans have some."""
 
     def to_list(self) -> list:
         return [KV_VIEWS.index(v) if isinstance(v, str) else int(v) for v in astuple(self)]

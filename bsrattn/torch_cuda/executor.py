@@ -74,7 +74,7 @@ def persistent_attention(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr, STORE_LSE: tl.constexpr,
-        PRECISION: tl.constexpr):
+        DENSE_ROWS: tl.constexpr, PRECISION: tl.constexpr):
     cta = tl.program_id(0)
     kv_head = tl.program_id(1)
     k_head = k_ptr + kv_head * stride_kh
@@ -118,20 +118,12 @@ def persistent_attention(
             slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
             if ALIBI:
                 slopes = tl.load(alibi_ptr + head, mask=valid_m, other=0.0)
-            if first_slot >= 0:  # the dense path: the row's blocks are consecutive, no index loads
-                o, lse = microkernel.attend_range(
-                    q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices, row_block_start, first_slot,
-                    lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                    stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, True, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
-                    SIGMOID, CUSTOM_MASK, PRECISION)
-            else:
-                o, lse = microkernel.attend_range(
-                    q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices, row_block_start, first_slot,
-                    lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                    stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, False, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
-                    SIGMOID, CUSTOM_MASK, PRECISION)
+            o, lse = microkernel.attend_range(
+                q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices, row_block_start, first_slot,
+                lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+                HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE_ROWS, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
+                SIGMOID, CUSTOM_MASK, PRECISION)
             if partial < 0:
                 _store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
                              stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
@@ -178,7 +170,7 @@ def launch_args(q, k, v, out, lse, buffers, config, scalars):
                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
                   CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap,
                   ALIBI=config.alibi, SIGMOID=config.sigmoid, CUSTOM_MASK=config.custom_mask,
-                  STORE_LSE=config.store_lse, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   num_warps=config.num_warps, num_stages=config.num_stages)
     return (config.num_ctas, config.num_kv_heads), args, kwargs
 

@@ -108,15 +108,15 @@ def finish(acc, m_i, l_i, v_scale, SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def attend_tile(acc, m_i, l_i, start, q, q_pos, q_local, valid_m, slopes,
-                k_head, v_head, kv_indices, row_block_start, row_first_slot, kv_end, kv_len, mask_ptr, mask_start,
+def attend_tile(acc, m_i, l_i, start, blocks, q, q_pos, q_local, valid_m, slopes,
+                k_head, v_head, row_first_slot, kv_end, kv_len, mask_ptr, mask_start,
                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                 qk_scale, soft_cap, window_left, sigmoid_bias,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                DENSE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                DENSE_ROWS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr,
                 PRECISION: tl.constexpr):
-    """The running state after the KV tile of slots ``start:start+BLOCK_N``.
+    """The running state after the KV tile of slots ``start:start+BLOCK_N`` (``blocks``: its block ids, sparse path).
 
     An unmasked tile (``MASKED`` false) is one the caller knows to lie inside the range and to be visible
     whole to every query of the tile: no bounds, no position or custom mask are evaluated for it.
@@ -124,16 +124,14 @@ def attend_tile(acc, m_i, l_i, start, q, q_pos, q_local, valid_m, slopes,
     d = tl.arange(0, BLOCK_D)
     k_pos = start + tl.arange(0, BLOCK_N)
     valid_n = k_pos < kv_end
-    k_off = gather.slot_offsets(kv_indices, row_block_start, row_first_slot, k_pos, valid_n,
-                                stride_kb, stride_ks, BLOCK_SIZE, DENSE, MASKED)
+    k_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_kb, stride_ks, BLOCK_SIZE, DENSE_ROWS)
     k = gather.load_tile(k_head, k_off, valid_n, d, stride_kd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
     s = scores(q, k, q_pos, k_pos, slopes, qk_scale, soft_cap, SOFT_CAP, ALIBI, PRECISION)
     vis = valid_n[None, :]
     if MASKED:
         vis = visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_ptr, mask_start,
                       CAUSAL, HAS_WINDOW, CUSTOM_MASK)
-    v_off = gather.slot_offsets(kv_indices, row_block_start, row_first_slot, k_pos, valid_n,
-                                stride_vb, stride_vs, BLOCK_SIZE, DENSE, MASKED)
+    v_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_vb, stride_vs, BLOCK_SIZE, DENSE_ROWS)
     v = gather.load_tile(v_head, v_off, valid_n, d, stride_vd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
     if SIGMOID:
         acc = sigmoid_update(acc, s, vis, sigmoid_bias, v, MASKED, PRECISION)
@@ -149,37 +147,45 @@ def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_
                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                  qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr,
                  PRECISION: tl.constexpr):
     """State of a query tile over the row's logical KV slots ``kv_start:kv_end`` (reference ``attend_range``).
 
-    ``k_head``/``v_head`` point at the KV head's first element; ``q_pos`` is non-decreasing along the tile.
-    Whole tiles that every query sees (before the tile's first query position when causal; never under a
-    window or a custom mask) run without masks; the rest of the range runs masked. Returns ``(o, lse)`` as
-    :func:`finish`.
+    ``k_head``/``v_head`` point at the KV head's first element; ``q_pos`` is non-decreasing along the tile;
+    ``row_first_slot >= 0`` takes the dense load path when ``DENSE_ROWS`` (see :mod:`~bsrattn.torch_cuda.gather`).
+    Under a causal mask (without a window or a custom mask), the whole tiles before the tile's first query
+    position run without masks, as FlashAttention's do, and the rest of the range runs masked. Elsewhere every
+    tile runs masked: the masks are then only the range's bounds, and a second loop would cost the kernel
+    registers (measured: decode spills at 3 pipeline stages with it). Returns ``(o, lse)`` as :func:`finish`.
     """
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Sparse path: a tile's block ids are loaded one tile ahead, so no K/V copy waits on an index load of
+    # its own iteration and the pipeliner keeps num_stages - 1 tiles in flight.
+    blocks = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, kv_start, kv_end, BLOCK_N, BLOCK_SIZE,
+                                DENSE_ROWS)
     mid = kv_start
-    if not (HAS_WINDOW or CUSTOM_MASK):
-        seen_by_all = kv_end
-        if CAUSAL:
-            seen_by_all = tl.minimum(kv_end, tl.min(q_pos, 0) + 1)
-        mid = kv_start + tl.maximum(seen_by_all - kv_start, 0) // BLOCK_N * BLOCK_N
+    if CAUSAL and not (HAS_WINDOW or CUSTOM_MASK):
+        # Tiles wholly below the diagonal (before the tile's first query position) need no mask.
+        mid = kv_start + tl.maximum(tl.minimum(kv_end, tl.min(q_pos, 0) + 1) - kv_start, 0) // BLOCK_N * BLOCK_N
         for start in range(kv_start, mid, BLOCK_N):
+            ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end,
+                                       BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
             acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, start, q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices,
-                row_block_start, row_first_slot, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks,
-                stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias,
-                HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE, False, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
-                SIGMOID, CUSTOM_MASK, PRECISION)
+                acc, m_i, l_i, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
+                kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+                DENSE_ROWS, False, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, CUSTOM_MASK, PRECISION)
+            blocks = ahead
     for start in range(mid, kv_end, BLOCK_N):
+        ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end, BLOCK_N,
+                                   BLOCK_SIZE, DENSE_ROWS)
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, start, q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices,
-            row_block_start, row_first_slot, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks,
-            stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias,
-            HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE, True, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
-            SIGMOID, CUSTOM_MASK, PRECISION)
+            acc, m_i, l_i, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
+            kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+            stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            DENSE_ROWS, True, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, CUSTOM_MASK, PRECISION)
+        blocks = ahead
     return finish(acc, m_i, l_i, v_scale, SIGMOID)

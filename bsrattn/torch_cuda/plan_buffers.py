@@ -151,6 +151,7 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
         section[i] = kv_indices[i]
     num_rows = kv_indptr.size - 1
     first_slot = np.full(num_rows, -1, np.int64)
+    any_affine = False
     for r in range(num_rows):
         start = kv_indptr[r]
         end = kv_indptr[r + 1]
@@ -162,6 +163,7 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
                     break
             if affine:
                 first_slot[r] = kv_indices[start] * block_size
+                any_affine = True
     # The merge a split item's partial state belongs to, by the state's first workspace row.
     merge_of = np.full(max(num_partial_rows, 1), -1, np.int64)
     for m in range(merge_indptr.size - 1):
@@ -191,6 +193,7 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
         items[w, _ROW] = r
         for f in range(_NUM_FIELDS, ITEM_STRIDE):
             items[w, f] = 0
+    return any_affine
 
 
 _compiled_pack = None
@@ -276,8 +279,8 @@ class PlanBuffers:
         mask = 0 if layout.custom_mask is None else layout.custom_mask.size
         return 4 * (self.offsets["kv_indices"][0] + layout.kv_indices.size), mask
 
-    def fill(self, work_plan, layout, alibi_slopes=None) -> None:
-        """Write ``work_plan``, ``layout``'s arrays and the ALiBi slopes in place.
+    def fill(self, work_plan, layout, alibi_slopes=None) -> bool:
+        """Write ``work_plan``, ``layout``'s arrays and the ALiBi slopes in place; whether some row is affine.
 
         One compiled pass (:func:`_pack`) writes every section into the host staging; the bytes the plan
         uses (:meth:`used_bytes`) then go to the device in one asynchronous copy (two with a custom mask).
@@ -289,10 +292,11 @@ class PlanBuffers:
             self._copied.synchronize()  # the previous refill's copy must have left the staging buffer
         alibi = _NO_ALIBI if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float32).view(np.int32)
         wp = work_plan
-        _packer()(self._host_plan, *self._section_at, wp.cta_indptr, wp.item_row, wp.item_qo_start, wp.item_qo_end,
-                  wp.item_kv_start, wp.item_kv_end, wp.item_partial, wp.merge_indptr, wp.merge_partials,
-                  wp.num_partial_rows, layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_len,
-                  mask_indptr, layout.block_size, alibi)
+        any_affine = _packer()(
+            self._host_plan, *self._section_at, wp.cta_indptr, wp.item_row, wp.item_qo_start, wp.item_qo_end,
+            wp.item_kv_start, wp.item_kv_end, wp.item_partial, wp.merge_indptr, wp.merge_partials,
+            wp.num_partial_rows, layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_len,
+            mask_indptr, layout.block_size, alibi)
         if layout.custom_mask is not None:
             self._host_mask[:layout.custom_mask.size] = layout.custom_mask.view(np.uint8)
         if self.staging is not self.raw:
@@ -303,3 +307,4 @@ class PlanBuffers:
                 self.raw[at:at + mask_bytes].copy_(self.staging[at:at + mask_bytes], non_blocking=True)
             if self._copied is not None:
                 self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copies went to
+        return bool(any_affine)

@@ -59,7 +59,8 @@ class Runner:
             # Headroom keeps later re-plans (CUDA graphs) in place; a one-shot call needs none.
             capacity = need.grown(work_plan, spec.num_qo_heads, spec.head_dim) if headroom else need
             buffers = PlanBuffers(capacity, *shape)
-        buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
+        # The kernel carries the dense load path only for a plan with affine rows (LaunchConfig.dense_rows).
+        self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
         self.spec = spec
         self.work_plan = work_plan
         self.device = device
@@ -71,14 +72,17 @@ class Runner:
         key = (q_dtype, kv_view, store_lse)
         if key not in self._configs:
             spec, variant = self.spec, self.spec.variant
-            t = cfg.tiles(cfg.block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype)
+            busy = self.work_plan.num_items * spec.num_kv_heads  # programs with work
+            t = cfg.tiles(cfg.block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype,
+                          few_items=busy < cfg.num_sms(self.device))
             self._configs[key] = cfg.LaunchConfig(
                 num_ctas=self.work_plan.num_ctas, num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
                 head_dim=spec.head_dim, block_size=spec.layout.block_size, block_m=t.block_m, block_n=t.block_n,
                 block_d=cfg.block_d(spec.head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
                 kv_view=kv_view, causal=variant.causal, window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
-                sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None, store_lse=store_lse)
+                sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None, store_lse=store_lse,
+                dense_rows=self.dense_rows)
         return self._configs[key]
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
