@@ -108,7 +108,9 @@ def _git(*args):
 
 
 def environment(gpu: bool = True) -> dict:
-    """Where the figures come from: GPU, driver, package versions, git commit (or ``BENCH_GIT_COMMIT``).
+    """Where the figures come from: GPU, driver, package versions, git commit (``BENCH_GIT_COMMIT`` when set).
+
+    The override wins because a copy of the tree on a GPU machine may carry a stale ``.git``.
 
     ``gpu=False`` (a CPU-only workload) leaves torch unimported.
     """
@@ -118,12 +120,12 @@ def environment(gpu: bool = True) -> dict:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "packages": {name: _version(name) for name in PACKAGES},
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("BENCH_GIT_COMMIT"),
+        "git_commit": os.environ.get("BENCH_GIT_COMMIT") or _git("rev-parse", "HEAD"),
         "git_dirty": None,
         "env": {k: os.environ[k] for k in ("FLASHINFER_CUDA_ARCH_LIST", "BSRATTN_BACKEND", "MAX_JOBS")
                 if k in os.environ},
     }
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = None if os.environ.get("BENCH_GIT_COMMIT") else _git("status", "--porcelain", "--untracked-files=no")
     if status is not None:
         env["git_dirty"] = bool(status)
     if not gpu:
