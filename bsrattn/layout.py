@@ -112,16 +112,23 @@ class BSRLayout:
             if bad.any():
                 i = int(np.argmax(bad))
                 raise ValueError(f"kv_indices[{i}]={self.kv_indices[i]} is outside [0, num_blocks={self.num_blocks})")
-        has_blocks = np.diff(self.kv_indptr) > 0
+        nblocks = np.diff(self.kv_indptr)
+        has_blocks = nblocks > 0
         lo = np.where(has_blocks, 1, 0)
         hi = np.where(has_blocks, self.block_size, 0)
         bad = (self.kv_last_len < lo) | (self.kv_last_len > hi)
         if bad.any():
             r = int(np.argmax(bad))
             raise ValueError(f"kv_last_len[{r}]={self.kv_last_len[r]} must be in {lo[r]}..{hi[r]} "
-                             f"(row {r} has {int(np.diff(self.kv_indptr)[r])} blocks of block_size={self.block_size})")
+                             f"(row {r} has {int(nblocks[r])} blocks of block_size={self.block_size})")
+        # The lengths are derived once: a frozen layout is read on every plan() (host time, W6).
+        qo_lens = np.diff(self.qo_indptr)
+        kv_lens = np.where(has_blocks, (nblocks - 1) * self.block_size + self.kv_last_len, 0).astype(np.int32)
+        for name, lens in (("_qo_lens", qo_lens), ("_kv_lens", kv_lens)):
+            lens.flags.writeable = False
+            set_(self, name, lens)
         mask_indptr = np.zeros(num_rows + 1, dtype=np.int64)
-        np.cumsum(self.qo_lens.astype(np.int64) * self.kv_lens, out=mask_indptr[1:])
+        np.cumsum(qo_lens.astype(np.int64) * kv_lens, out=mask_indptr[1:])
         mask_indptr.flags.writeable = False
         set_(self, "_mask_indptr", mask_indptr)
         set_(self, "_nnz_qo", int(self.qo_indptr[-1]))
@@ -153,14 +160,13 @@ class BSRLayout:
 
     @property
     def qo_lens(self) -> np.ndarray:
-        """``[R]`` query rows per row."""
-        return np.diff(self.qo_indptr)
+        """``[R]`` query rows per row (read-only)."""
+        return self._qo_lens
 
     @property
     def kv_lens(self) -> np.ndarray:
-        """``[R]`` KV slots per row: full blocks plus the last one cut to ``kv_last_len``."""
-        nblocks = np.diff(self.kv_indptr)
-        return np.where(nblocks > 0, (nblocks - 1) * self.block_size + self.kv_last_len, 0).astype(np.int32)
+        """``[R]`` KV slots per row: full blocks plus the last one cut to ``kv_last_len`` (read-only)."""
+        return self._kv_lens
 
     @property
     def mask_indptr(self) -> np.ndarray:

@@ -66,13 +66,6 @@ def block_m(tile_q: int, group_size: int) -> int:
     return min(128, max(16, next_pow2(tile_q * group_size)))
 
 
-def kind_of(spec) -> str:
-    """``"decode"`` when every block row's query rows x group heads fit one small tile, else ``"prefill"``."""
-    qo = spec.layout.qo_lens
-    rows = (int(qo.max()) if qo.size else 1) * spec.group_size
-    return "decode" if rows <= DECODE_ROWS else "prefill"
-
-
 def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False) -> Tiles:
     """Tile shapes for an M tile of ``m`` rows. ``dtype`` is ``q``'s (fp32 dots run on CUDA cores: smaller tiles).
 
@@ -120,10 +113,12 @@ def plan_options(spec, device=None) -> dict:
     >>> opts["tile_q"], opts["min_split_size"], opts["kv_align"]
     (4, 256, 64)
     """
-    kind = kind_of(spec)
+    qo = spec.layout.qo_lens
+    tallest = int(qo.max()) if qo.size else 1
+    # Decode: every block row's query rows x group heads fit one small tile.
+    kind = "decode" if tallest * spec.group_size <= DECODE_ROWS else "prefill"
     if kind == "decode":
-        qo = spec.layout.qo_lens
-        m = block_m(int(qo.max()) if qo.size else 1, spec.group_size)
+        m = block_m(tallest, spec.group_size)
     else:
         m = 64 if block_d(spec.head_dim) > 128 or spec.q_dtype == "float32" else PREFILL_BLOCK_M
     ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // spec.num_kv_heads)
