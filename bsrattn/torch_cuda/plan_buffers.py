@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from bsrattn.torch_cuda.config import next_pow2
+from bsrattn.torch_cuda.tensors import canonical_device
 
 SECTIONS = ("cta_indptr", "items", "merge_partials", "alibi", "kv_indices")
 ITEM_FIELDS = (
@@ -227,6 +228,7 @@ class PlanBuffers:
 
     def __init__(self, capacity: Capacity, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  device: torch.device, host_staging: bool | None = None):
+        device = canonical_device(device)
         self.capacity = capacity
         self.shape_key = (num_qo_heads, num_kv_heads, head_dim, device)
         self.offsets = {}

@@ -21,8 +21,8 @@ import torch
 from bsrattn import scheduler
 from bsrattn.torch_cuda import config as cfg
 from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
-from bsrattn.torch_cuda.tensors import SUPPORTED, check_device, default_device, device_of, to_numpy, to_torch, \
-    write_back
+from bsrattn.torch_cuda.tensors import SUPPORTED, canonical_device, check_device, default_device, device_of, to_numpy, \
+    to_torch, write_back
 from bsrattn.validation import dtype_name
 
 
@@ -43,6 +43,7 @@ class Runner:
     """
 
     def __init__(self, spec, work_plan, device, previous=None, headroom=True):
+        device = canonical_device(device)
         previous = previous if isinstance(previous, Runner) else None
         if previous is None or previous.device != device:  # a runner's device was checked when it was made
             check_device(device)

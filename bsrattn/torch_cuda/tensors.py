@@ -30,6 +30,15 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def canonical_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` with its index: ``"cuda"`` means the current CUDA device, and a tensor
+    there reports ``cuda:<index>``, so the two must compare equal."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def check_device(device: torch.device) -> None:
     """Raise unless the kernels can run on ``device``."""
     if device.type == "cuda" and not interpreting():
