@@ -324,7 +324,8 @@ class Cascade:
             if level.nnz_qo != levels[0].nnz_qo:
                 raise ValueError(f"levels[{i}] has nnz_qo={level.nnz_qo}, levels[0] has {levels[0].nnz_qo}")
             if level.num_slots != levels[0].num_slots:
-                raise ValueError(f"levels[{i}] addresses {level.num_slots} pool slots, levels[0] {levels[0].num_slots}: "
+                raise ValueError(f"levels[{i}] addresses {level.num_slots} pool slots, "
+                                 f"levels[0] {levels[0].num_slots}: "
                                  f"levels must share one KV pool")
             if level.custom_mask is not None:
                 raise ValueError(f"levels[{i}] has a custom_mask; cascade levels take position masks only")

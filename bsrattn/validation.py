@@ -125,7 +125,8 @@ def _kv_view(k, kv_layout, block_size):
                              f"got kv_layout={kv_layout!r}, block_size={block_size}")
         return "NHD3"
     if ndim != 4:
-        raise ValueError(f"k must be 4-D [num_blocks, block_size, Hkv, D] (or 3-D with block_size 1), got shape {shape_of(k)}")
+        raise ValueError(f"k must be 4-D [num_blocks, block_size, Hkv, D] (or 3-D with block_size 1), "
+                         f"got shape {shape_of(k)}")
     return kv_layout
 
 

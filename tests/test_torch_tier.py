@@ -222,7 +222,8 @@ def test_plan_options_pick_decode_and_prefill_tiles():
         opts = tcfg.plan_options(spec)
         assert tcfg.block_m(opts["tile_q"], spec.group_size) == rows == opts["tile_q"] * spec.group_size
         assert opts["num_ctas"] * spec.num_kv_heads <= tcfg.num_sms() * max(tcfg.CTAS_PER_SM.values())
-    config = tcfg.LaunchConfig(4, 8, 4, 128, 16, 16, 64, 128, 4, 3, "HND", True, 7, False, True, False, True, True, False)
+    config = tcfg.LaunchConfig(4, 8, 4, 128, 16, 16, 64, 128, 4, 3, "HND", True, 7, False, True, False, True, True,
+                               False)
     assert tcfg.LaunchConfig.from_list(config.to_list()) == config
 
 

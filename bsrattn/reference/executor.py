@@ -16,7 +16,7 @@ from bsrattn.reference.microkernel import attend_range
 
 
 def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.float64):
-    """Run ``work_plan`` on ``q [nnz_qo, Hq, D]``, ``k, v`` (any accepted storage); returns ``(o, lse)`` in ``dtype``."""
+    """Run ``work_plan`` on ``q [nnz_qo, Hq, D]``, ``k, v`` (any accepted storage); ``(o, lse)`` in ``dtype``."""
     k_slots = kv_as_slots(k, spec, k_scale, dtype)
     v_slots = kv_as_slots(v, spec, v_scale, dtype)
     shape = (spec.layout.nnz_qo, spec.num_qo_heads, spec.head_dim)

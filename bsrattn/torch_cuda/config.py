@@ -174,7 +174,7 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class Scalars:
-    """The float arguments of a launch: ``qk_scale = sm_scale * k_scale``, ``v_scale``, the soft cap, the sigmoid bias."""
+    """The float arguments of a launch: ``qk_scale = sm_scale * k_scale``, ``v_scale``, soft cap, sigmoid bias."""
 
     qk_scale: float
     v_scale: float

@@ -170,7 +170,8 @@ def launch_args(q, k, v, out, lse, buffers, config, scalars):
                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
                   CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap,
                   ALIBI=config.alibi, SIGMOID=config.sigmoid, CUSTOM_MASK=config.custom_mask,
-                  STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
+                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   num_warps=config.num_warps, num_stages=config.num_stages)
     return (config.num_ctas, config.num_kv_heads), args, kwargs
 

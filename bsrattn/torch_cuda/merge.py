@@ -82,7 +82,8 @@ def _merge_states_kernel(o_ptr, lse_ptr, o_out, lse_out,  # o [n, S, H, D]; lse 
         lse_b = tl.load(lse_ptr + row_s, mask=valid, other=float("-inf"))
         o, lse = merge_pair(o, lse, o_b.to(tl.float32), lse_b.to(tl.float32))
     out_rows = rows.to(tl.int64)
-    tl.store(o_out + out_rows[:, None] * HEAD_DIM + d[None, :], o.to(o_out.dtype.element_ty), mask=valid[:, None] & cols)
+    tl.store(o_out + out_rows[:, None] * HEAD_DIM + d[None, :], o.to(o_out.dtype.element_ty),
+             mask=valid[:, None] & cols)
     tl.store(lse_out + out_rows, lse, mask=valid)
 
 

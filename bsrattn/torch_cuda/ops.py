@@ -25,7 +25,7 @@ from bsrattn.torch_cuda.plan_buffers import SECTIONS
 
 
 class _BufferView:
-    """The :class:`~bsrattn.torch_cuda.plan_buffers.PlanBuffers` interface the executor reads, rebuilt from op arguments."""
+    """The :class:`~bsrattn.torch_cuda.plan_buffers.PlanBuffers` interface the executor reads, from op arguments."""
 
     def __init__(self, plan, mask, part_o, part_lse, counters, sections):
         self.plan, self.mask, self.part_o, self.part_lse, self.counters = plan, mask, part_o, part_lse, counters
