@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from bsrattn.compiled import Compiled
+
 __all__ = ["WorkPlan", "plan", "round_robin", "makespan", "simulate", "SimulationResult", "DISTRIBUTIONS"]
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -253,29 +255,13 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_ali
     return flat, chunk, n_items, n_merges, n_merge_items, n_partial_rows
 
 
-_compiled_core = None
-
-
-def _core():
-    """:func:`_plan_core`, compiled with ``numba.njit`` when Numba is installed (a pure-Python fallback otherwise).
-
-    Compiled lazily so that importing :mod:`bsrattn` never imports Numba.
-    """
-    global _compiled_core
-    if _compiled_core is None:
-        try:
-            import numba
-        except ImportError:
-            _compiled_core = _plan_core
-        else:
-            _compiled_core = numba.njit(cache=True)(_plan_core)
-    return _compiled_core
+_core = Compiled(_plan_core)
 
 
 def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance) -> WorkPlan:
     """The :class:`WorkPlan` of int32 lengths ``qo``, ``kv`` (checked by the caller); its arrays are views of one."""
     num_ctas, tile_q = int(num_ctas), int(tile_q)
-    flat, chunk, w, m, p, rows = _core()(qo, kv, num_ctas, tile_q, int(split), int(min_split_size), int(kv_align),
+    flat, chunk, w, m, p, rows = _core(qo, kv, num_ctas, tile_q, int(split), int(min_split_size), int(kv_align),
                                          balance)
     w, m, p = int(w), int(m), int(p)
     arrays = []

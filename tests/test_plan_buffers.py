@@ -102,12 +102,13 @@ def _capacity(*planned):
 
 
 @pytest.fixture(params=["compiled", "python"])
-def implementation(request, monkeypatch):
+def implementation(request):
     """The compiled passes (Numba), or their pure-Python fallbacks, as when Numba is not installed."""
     if request.param == "python":
-        monkeypatch.setattr(scheduler, "_compiled_core", scheduler._plan_core)
-        monkeypatch.setattr(plan_buffers, "_compiled_pack", plan_buffers._pack)
-    return request.param
+        with scheduler._core.as_python(), plan_buffers._packer.as_python():
+            yield request.param
+    else:
+        yield request.param
 
 
 def test_packed_sections_equal_a_plain_construction(implementation):

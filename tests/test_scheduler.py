@@ -78,12 +78,8 @@ def test_least_loaded_assignment_matches_a_heapq_construction(lens, kwargs):
 def test_compiled_core_and_its_python_fallback_plan_the_same(lens, kwargs):
     """Without Numba the scheduler runs the same source as plain Python: the same plan, bit for bit."""
     compiled = scheduler.plan(*lens, **kwargs)
-    saved = scheduler._compiled_core
-    scheduler._compiled_core = scheduler._plan_core
-    try:
+    with scheduler._core.as_python():
         fallback = scheduler.plan(*lens, **kwargs)
-    finally:
-        scheduler._compiled_core = saved
     assert compiled.equals(fallback)
     for plan_ in (compiled, fallback):
         assert all(type(getattr(plan_, f)) is int for f in ("num_ctas", "tile_q", "kv_chunk_size", "num_partial_rows"))

@@ -33,6 +33,7 @@ from dataclasses import astuple, dataclass, replace
 import numpy as np
 import torch
 
+from bsrattn.compiled import Compiled
 from bsrattn.torch_cuda.config import next_pow2
 from bsrattn.torch_cuda.tensors import canonical_device
 
@@ -197,23 +198,7 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
     return any_affine
 
 
-_compiled_pack = None
-
-
-def _packer():
-    """:func:`_pack`, compiled with ``numba.njit`` when Numba is installed (a pure-Python fallback otherwise).
-
-    Compiled lazily, like :func:`bsrattn.scheduler._core`.
-    """
-    global _compiled_pack
-    if _compiled_pack is None:
-        try:
-            import numba
-        except ImportError:
-            _compiled_pack = _pack
-        else:
-            _compiled_pack = numba.njit(cache=True)(_pack)
-    return _compiled_pack
+_packer = Compiled(_pack)
 
 
 class PlanBuffers:
@@ -294,7 +279,7 @@ class PlanBuffers:
             self._copied.synchronize()  # the previous refill's copy must have left the staging buffer
         alibi = _NO_ALIBI if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float32).view(np.int32)
         wp = work_plan
-        any_affine = _packer()(
+        any_affine = _packer(
             self._host_plan, *self._section_at, wp.cta_indptr, wp.item_row, wp.item_qo_start, wp.item_qo_end,
             wp.item_kv_start, wp.item_kv_end, wp.item_partial, wp.merge_indptr, wp.merge_partials,
             wp.num_partial_rows, layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_len,

@@ -1,0 +1,47 @@
+"""Host loops compiled with Numba when it is installed, lazily, so that importing :mod:`bsrattn` never imports it.
+
+The scheduler's core and the torch tier's plan packing are written as explicit loops over NumPy arrays: the
+same source runs compiled (``numba.njit``, cached on disk) or, without Numba, as plain Python (correct, slower).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+class Compiled:
+    """``python`` compiled with ``numba.njit(cache=True)`` at its first call; ``python`` itself without Numba.
+
+    Examples
+    --------
+    >>> from bsrattn import indexing
+    >>> ceil_div = Compiled(indexing.ceil_div)      # any function of a module (Numba caches by source file)
+    >>> ceil_div(20, 16)
+    2
+    >>> with ceil_div.as_python():                  # the uncompiled source, as when Numba is not installed
+    ...     ceil_div(20, 16)
+    2
+    """
+
+    def __init__(self, python):
+        self.python = python
+        self._fn = None
+
+    def __call__(self, *args):
+        if self._fn is None:
+            try:
+                import numba
+            except ImportError:
+                self._fn = self.python
+            else:
+                self._fn = numba.njit(cache=True)(self.python)
+        return self._fn(*args)
+
+    @contextlib.contextmanager
+    def as_python(self):
+        """Run the uncompiled source inside the block (the tests check both give the same results)."""
+        saved, self._fn = self._fn, self.python
+        try:
+            yield self
+        finally:
+            self._fn = saved
