@@ -45,8 +45,8 @@ HEADS, PAGE, HEAD_DIM = 32, 16, 128
 def expected_ratio(n_pages: int, budget: int, page_size: int, kernel_block_size: int) -> float:
     """Expected slots read / slots needed when ``budget`` of ``n_pages`` pages are picked uniformly at random.
 
-    >>> expected_ratio(2048, 64, 16, 128) > 7.5
-    True
+    >>> round(expected_ratio(2048, 64, 16, 128), 2)      # seq_len 32768, budget 64, kernel block 128
+    7.19
     >>> expected_ratio(2048, 64, 16, 16)
     1.0
     """
