@@ -563,6 +563,24 @@ class Suite:
         if bar is not None:
             bar.note(text)
 
+    def _build(self, config: dict, impl: str, build, needs_cuda: bool, **fields):
+        """``(record, fn)``: ``impl``'s record begun (with ``fields``) and ``fn = build()``. ``fn`` is None when the
+        record is already final: ``impl`` filtered out (record None), or unavailable here, or failing to build
+        (recorded, and the suite goes on)."""
+        if not self.selected(impl):
+            return None, None
+        self._note(impl)
+        rec = {"config": dict(config), "impl": impl, "status": "ok", **fields}
+        if needs_cuda and not self.gpu:
+            return self.add({**rec, "status": "unavailable", "reason": "needs a CUDA GPU (dry run on the CPU)"}), None
+        try:
+            return rec, build()
+        except (Unavailable, ImportError, ba.BackendError) as exc:
+            return self.add({**rec, "status": "unavailable", "reason": _short(exc)}), None
+        except Exception as exc:  # a baseline that fails to build must not stop the suite
+            return self.add({**rec, "status": "error", "stage": "build", "reason": _short(exc),
+                             "traceback": traceback.format_exc(limit=6)}), None
+
     def measure(self, config: dict, impl: str, build, *, shape, rows, expected, dtype: str, bytes_needed=None,
                 flops=None, graph=True, view=None, out=None, needs_cuda=False) -> dict | None:
         """Build, check, then time ``impl`` on one configuration; returns the record (None if filtered out).
@@ -590,21 +608,10 @@ class Suite:
         needs_cuda : bool
             Recorded as unavailable in a dry run on the CPU.
         """
-        if not self.selected(impl):
-            return None
-        self._note(impl)
-        rec = {"config": dict(config), "impl": impl, "status": "ok"}
-        rec.update({"bytes": bytes_needed, "flops": flops})
-        rec.update(bound(self.ceilings, bytes_needed, flops))
-        if needs_cuda and not self.gpu:
-            return self.add({**rec, "status": "unavailable", "reason": "needs a CUDA GPU (dry run on the CPU)"})
-        try:
-            fn = build()
-        except (Unavailable, ImportError, ba.BackendError) as exc:
-            return self.add({**rec, "status": "unavailable", "reason": _short(exc)})
-        except Exception as exc:  # a baseline that fails to build must not stop the suite
-            return self.add({**rec, "status": "error", "stage": "build", "reason": _short(exc),
-                             "traceback": traceback.format_exc(limit=6)})
+        rec, fn = self._build(config, impl, build, needs_cuda, bytes=bytes_needed, flops=flops,
+                              **bound(self.ceilings, bytes_needed, flops))
+        if fn is None:
+            return rec
         checking = dict(shape=shape, rows=rows, expected=expected, dtype=dtype, view=view)
         stage = "check"
         try:
@@ -709,19 +716,9 @@ class Suite:
 
     def measure_host(self, config: dict, impl: str, build, *, samples=None, needs_cuda=False) -> dict | None:
         """Host wall time of ``fn()`` (``build() -> fn``), with a device synchronize so copies are counted."""
-        if not self.selected(impl):
-            return None
-        self._note(impl)
-        rec = {"config": dict(config), "impl": impl, "status": "ok"}
-        if needs_cuda and not self.gpu:
-            return self.add({**rec, "status": "unavailable", "reason": "needs a CUDA GPU (dry run on the CPU)"})
-        try:
-            fn = build()
-        except (Unavailable, ImportError, ba.BackendError) as exc:
-            return self.add({**rec, "status": "unavailable", "reason": _short(exc)})
-        except Exception as exc:
-            return self.add({**rec, "status": "error", "stage": "build", "reason": _short(exc),
-                             "traceback": traceback.format_exc(limit=6)})
+        rec, fn = self._build(config, impl, build, needs_cuda)
+        if fn is None:
+            return rec
         sync = _synchronize if self.gpu else (lambda: None)
         n = samples or self.samples
         try:
