@@ -320,3 +320,19 @@ EDGE_CASES = {
         dict(qo_lens=[0, 2], prefix_pages=[0, 1], prefix_len=6, suffix_page_tables=[[], [2]], suffix_lens=[0, 3],
              page_size=4, num_pages=3), variant=ba.Variant(causal=True)),
 }
+
+
+@st.composite
+def plan_kwargs(draw, max_ctas=16, max_tile_q=16, max_split=64):
+    """Keyword arguments of :func:`bsrattn.scheduler.plan`: balanced (with a chunk floor and alignment), a fixed
+    split size, or no split."""
+    kwargs = dict(num_ctas=draw(st.integers(1, max_ctas)), tile_q=draw(st.integers(1, max_tile_q)))
+    mode = draw(st.sampled_from(["balanced", "fixed", "disabled"]))
+    if mode == "fixed":
+        kwargs["fixed_split_size"] = draw(st.integers(1, max_split))
+    elif mode == "disabled":
+        kwargs["disable_split_kv"] = True
+    else:
+        kwargs["min_split_size"] = draw(st.integers(1, max(1, max_split // 2)))
+        kwargs["kv_align"] = draw(st.sampled_from([1, 4, 16]))
+    return kwargs

@@ -24,7 +24,7 @@ from bsrattn.torch_cuda import plan_buffers
 from bsrattn.torch_cuda.plan_buffers import ITEM, ITEM_FIELDS, ITEM_STRIDE, Capacity, PlanBuffers
 from bsrattn.torch_cuda.runner import Runner
 from bsrattn.validation import make_spec
-from strategies import layout_cases
+from strategies import layout_cases, plan_kwargs
 
 DEVICE = torch.device("cpu" if tcfg.interpreting() else "cuda")
 HQ, HKV, HEAD_DIM = 4, 2, 16
@@ -73,23 +73,13 @@ def assert_packed(buffers, work_plan, layout, alibi_slopes=None):
 
 
 @st.composite
-def plan_options(draw):
-    options = dict(num_ctas=draw(st.integers(1, 6)), tile_q=draw(st.integers(1, 4)))
-    mode = draw(st.sampled_from(["balanced", "fixed", "disabled"]))
-    if mode == "fixed":
-        options["fixed_split_size"] = draw(st.integers(1, 12))
-    elif mode == "disabled":
-        options["disable_split_kv"] = True
-    return options
-
-
-@st.composite
 def planned_layouts(draw):
     """A layout of any kind (one level of a cascade), a plan over it, and ALiBi slopes or none."""
     case = draw(layout_cases())
     levels = getattr(case.layout, "levels", (case.layout,))
     layout = levels[draw(st.integers(0, len(levels) - 1))]
-    work_plan = scheduler.plan(layout.qo_lens, layout.kv_lens, **draw(plan_options()))
+    options = draw(plan_kwargs(max_ctas=6, max_tile_q=4, max_split=12))
+    work_plan = scheduler.plan(layout.qo_lens, layout.kv_lens, **options)
     slopes = draw(st.one_of(st.none(), st.lists(st.floats(-2, 2, width=32), min_size=HQ, max_size=HQ)))
     return layout, work_plan, slopes
 

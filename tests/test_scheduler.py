@@ -16,7 +16,7 @@ from bsrattn.reference import attention_rows, execute
 from bsrattn.testing import assert_close
 from bsrattn.validation import make_spec
 from helpers import call_inputs, check_plan_coverage, raw_tensors
-from strategies import problems
+from strategies import plan_kwargs, problems
 
 
 @st.composite
@@ -25,20 +25,6 @@ def lengths(draw, max_batch=12, max_qo=20, max_kv=300):
     qo = draw(st.lists(st.integers(0, max_qo), min_size=batch, max_size=batch))
     kv = draw(st.lists(st.integers(0, max_kv), min_size=batch, max_size=batch))
     return qo, kv
-
-
-@st.composite
-def plan_kwargs(draw):
-    kwargs = dict(num_ctas=draw(st.integers(1, 16)), tile_q=draw(st.integers(1, 16)))
-    mode = draw(st.sampled_from(["balanced", "fixed", "disabled"]))
-    if mode == "fixed":
-        kwargs["fixed_split_size"] = draw(st.integers(1, 64))
-    elif mode == "disabled":
-        kwargs["disable_split_kv"] = True
-    else:
-        kwargs["min_split_size"] = draw(st.integers(1, 32))
-        kwargs["kv_align"] = draw(st.sampled_from([1, 4, 16]))
-    return kwargs
 
 
 @given(lengths(), plan_kwargs())
