@@ -7,10 +7,13 @@ With states ``(o_a, lse_a)`` and ``(o_b, lse_b)`` over disjoint key sets:
     o   = (w_a o_a + w_b o_b) / (w_a + w_b)
     lse = m + log(w_a + w_b)
 
-The max shift keeps ``exp`` in range; a state with ``lse = -inf`` (no keys) has weight 0, so merging with it
-is the identity, and two empty states merge to ``o = 0``, ``lse = -inf``. ⊕ is associative and commutative
-in exact arithmetic, not in floating point: fold order changes the last bits, so a fold order is fixed.
-Arithmetic runs in the inputs' precision, at least float32.
+The max shift keeps ``exp`` in range. A state with ``lse = -inf`` (no keys) is the identity, whatever its
+``o`` holds (a NaN there too: an empty state's ``o`` is never read), and two empty states merge to
+``o = 0``, ``lse = -inf``. An ``lse`` of NaN or ``+inf`` in either state makes the merged ``o`` and ``lse``
+NaN (``exp(inf - inf)``: a state of infinite weight has no defined merge); a NaN in the ``o`` of a non-empty
+state reaches the merged ``o``. ⊕ is associative and commutative in exact arithmetic, not in floating point:
+fold order changes the last bits, so a fold order is fixed. Arithmetic runs in the inputs' precision, at
+least float32.
 """
 
 from __future__ import annotations
@@ -33,14 +36,17 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     o_a, lse_a, o_b, lse_b = (np.asarray(x) for x in (o_a, lse_a, o_b, lse_b))
     dt = _compute_dtype(o_a, o_b, lse_a, lse_b)
     la, lb = lse_a.astype(dt), lse_b.astype(dt)
-    m = np.maximum(la, lb)
-    m_safe = np.where(np.isfinite(m), m, dt.type(0))
-    wa, wb = np.exp(la - m_safe), np.exp(lb - m_safe)
-    total = wa + wb
-    safe = np.where(total > 0, total, dt.type(1))
-    o = (wa[..., None] * o_a.astype(dt) + wb[..., None] * o_b.astype(dt)) / safe[..., None]
-    with np.errstate(divide="ignore"):
-        lse = np.where(total > 0, m_safe + np.log(safe), dt.type(-np.inf))
+    m = np.maximum(la, lb)                           # NaN if either is NaN
+    m_safe = np.where(m == -np.inf, dt.type(0), m)   # two empty states shift by 0, not by -inf
+    with np.errstate(invalid="ignore", over="ignore"):
+        wa, wb = np.exp(la - m_safe), np.exp(lb - m_safe)   # +inf: exp(inf - inf) = NaN
+        # An empty state adds exactly 0, so no value in its o (NaN included) reaches the result.
+        ta = np.where((la == -np.inf)[..., None], dt.type(0), wa[..., None] * o_a.astype(dt))
+        tb = np.where((lb == -np.inf)[..., None], dt.type(0), wb[..., None] * o_b.astype(dt))
+        total = wa + wb
+        o = (ta + tb) / np.where(total == 0, dt.type(1), total)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = m_safe + np.log(total)
     lse_dtype = np.float64 if dt == np.float64 else np.float32
     return o.astype(np.result_type(o_a.dtype, o_b.dtype)), lse.astype(lse_dtype)
 

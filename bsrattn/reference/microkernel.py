@@ -8,6 +8,19 @@ For query ``i`` (head ``h``, KV head ``h // G``) and visible keys ``j`` (see :mo
 
 A row with no visible key gets ``o = 0`` and ``lse = -inf``. FlashSigmoid instead returns
 ``o_i = sum_j sigmoid(s_ij + bias) v_j`` and ``lse = nan`` (undefined).
+
+Numbers that are not numbers (the same on every tier, per query row and head):
+
+- a hidden key (outside the causal mask, the window or the custom mask, past the row's end) contributes
+  nothing, whatever its ``k`` and ``v`` hold;
+- a visible score (after the soft cap and ALiBi) that is NaN or ``+inf`` makes ``o`` and ``lse`` NaN; a
+  visible score of ``-inf`` weighs ``exp(-inf) = 0``;
+- a NaN or infinity anywhere in a visible key's ``v`` makes the row's whole ``o`` NaN; ``lse`` depends on the
+  scores alone;
+- a row whose visible keys all weigh 0 (none visible, or every score ``-inf``) is empty: ``o = 0``,
+  ``lse = -inf``, whatever ``v`` holds.
+
+FlashSigmoid follows the same rules (a NaN score makes ``o`` NaN; ``sigmoid(+-inf)`` is 1 or 0).
 """
 
 from __future__ import annotations
@@ -39,22 +52,32 @@ def attend(q, k, v, q_pos, k_pos, variant, sm_scale, mask=None, dtype=np.float64
     """
     n, num_qo_heads, _ = q.shape
     group = num_qo_heads // k.shape[1]
-    s = scores(q, k, q_pos, k_pos, variant, sm_scale, dtype)
+    with np.errstate(invalid="ignore", over="ignore"):   # non-finite inputs: see the rules above
+        s = scores(q, k, q_pos, k_pos, variant, sm_scale, dtype)
     visible = indexing.key_visible(q_pos[:, None], k_pos[None, :], variant.causal, variant.window_left)
     if mask is not None:
         visible = visible & mask
     v = np.repeat(v.astype(dtype), group, axis=1)
-    if variant.use_sigmoid:
-        w = np.where(visible, 1.0 / (1.0 + np.exp(-(s + dtype(variant.sigmoid_bias)))), 0).astype(dtype)
-        return np.einsum("hnm,mhd->nhd", w, v), np.full((n, num_qo_heads), np.nan, dtype)
-    s = np.where(visible, s, -np.inf)
-    m = s.max(axis=2, initial=-np.inf)
-    m_safe = np.where(np.isfinite(m), m, 0)
-    p = np.exp(s - m_safe[:, :, None])
-    denom = p.sum(axis=2)
-    o = np.einsum("hnm,mhd->nhd", p, v) / np.where(denom > 0, denom, 1).T[:, :, None]
-    with np.errstate(divide="ignore"):
-        lse = (m_safe + np.log(denom)).T
+    # Hidden keys must not reach P @ V even as 0 * NaN: their values are replaced by 0, and a non-finite value
+    # of a visible key is recorded instead, per (query, head).
+    finite = np.isfinite(v)
+    v_bad = ~finite.all(axis=2)                                           # [m, Hq]
+    poisoned = (visible[None, :, :] & v_bad.T[:, None, :]).any(axis=2).T  # [n, Hq]
+    v = np.where(finite, v, 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if variant.use_sigmoid:
+            w = np.where(visible, 1.0 / (1.0 + np.exp(-(s + dtype(variant.sigmoid_bias)))), 0).astype(dtype)
+            o = np.einsum("hnm,mhd->nhd", w, v)
+            return np.where(poisoned[:, :, None], np.nan, o), np.full((n, num_qo_heads), np.nan, dtype)
+        s = np.where(visible, s, -np.inf)
+        m = s.max(axis=2, initial=-np.inf)                  # NaN if a visible score is NaN
+        m_safe = np.where(m == -np.inf, 0, m)               # an empty row shifts by 0, not by -inf
+        p = np.exp(s - m_safe[:, :, None])                  # a +inf score gives exp(inf - inf) = NaN
+        denom = p.sum(axis=2).T                             # [n, Hq]
+        o = np.einsum("hnm,mhd->nhd", p, v) / np.where(denom == 0, 1, denom)[:, :, None]
+    o = np.where((poisoned & (denom != 0))[:, :, None], np.nan, o)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = m_safe.T + np.log(denom)
     return o.astype(dtype), lse.astype(dtype)
 
 
