@@ -38,6 +38,7 @@ How the kernel got here (read off the sm_90 PTX and ``ptxas -v``; GPU timings: `
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,7 @@ class Config:
     kv_hnd: bool            # k/v stored HND ([blocks, Hkv, Bc, D]) rather than NHD
     dense: bool             # every row's KV is one contiguous run: the affine load path
     causal: bool
+    window: bool            # a sliding window (window_left >= 0)
     soft_cap: bool
     alibi: bool
     sigmoid: bool
@@ -75,6 +77,12 @@ class Config:
     tile_kv: int
     tile_rows: int          # query rows per sub-tile
     min_blocks: int = 0     # launch bound: blocks per SM the compiler must fit (0: its choice)
+
+    @property
+    def hidden_keys(self) -> bool:
+        """Whether a key inside an item's range can be hidden from some of its queries (causal, window,
+        custom mask): such pairs are tracked in shared memory, so that their ``v`` never reaches ``P @ V``."""
+        return self.causal or self.window or self.custom_mask
 
     @property
     def compute(self):
@@ -116,10 +124,10 @@ class Config:
 
 def shared_bytes(head_dim, group, tile_rows, tile_kv, row_bytes, word_size, compute_size) -> int:
     """Static shared memory of one block: K and V tiles, queries, scores and probabilities, running state,
-    tile rows."""
+    tile rows, and the visible (query, key) pairs of a tile (one byte each)."""
     nq = tile_rows * group
     kv = 2 * tile_kv * (row_bytes + word_size)
-    return kv + compute_size * (nq * head_dim + 2 * nq * tile_kv + 4 * nq) + 8 * tile_kv
+    return kv + compute_size * (nq * head_dim + 2 * nq * tile_kv + 5 * nq) + 8 * tile_kv + nq * tile_kv
 
 
 def query_tile_rows(group: int) -> int:
@@ -161,10 +169,11 @@ def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size, item_row
 def persistent_kernel(cfg: Config):
     """The compiled-on-first-launch attention kernel for ``cfg``."""
     resolve_rows, load_rows, store_rows = make_gather(cfg)
-    load_queries, scores, probabilities, accumulate, finish = make_microkernel(cfg)
+    load_queries, scores, probabilities, accumulate, flag_rows, finish = make_microkernel(cfg)
     compute, word, element = cfg.compute, cfg.word, cfg.element
     head_dim, group, tile_kv, tile_rows, max_nq = cfg.head_dim, cfg.group, cfg.tile_kv, cfg.tile_rows, cfg.max_nq
     row_stride, acc_per_thread, words_per_thread = cfg.row_stride, cfg.acc_per_thread, cfg.words_per_thread
+    seen_shape = (max_nq, tile_kv) if cfg.hidden_keys else (1, 1)
 
     def persistent(q, k_words, v_words, out, lse, part_o, part_lse, cta_indptr, items, qo_indptr, kv_indptr,
                    kv_indices, kv_lens, row_slot_start, mask_indptr, mask, block_size, num_kv_heads, score_scale,
@@ -181,11 +190,12 @@ def persistent_kernel(cfg: Config):
         q_tile = cuda.shared.array((max_nq, head_dim), compute)
         kv_tiles = cuda.shared.array((2, tile_kv, row_stride), word)   # the gathered K and V rows
         weights = cuda.shared.array((2, max_nq, tile_kv), compute)     # scores s, then probabilities p
-        state = cuda.shared.array((4, max_nq), compute)                # per query: m, m_new, l, alpha
+        state = cuda.shared.array((5, max_nq), compute)                # per query: m, m_new, l, alpha, bad
         tile_rows_s = cuda.shared.array(tile_kv, np.int64)
+        seen = cuda.shared.array(seen_shape, np.uint8)                 # visible (query, key) pairs of a tile
         k_tile, v_tile = kv_tiles[0], kv_tiles[1]
         s_tile, p_tile = weights[0], weights[1]
-        m_run, m_next, l_run, alpha = state[0], state[1], state[2], state[3]
+        m_run, m_next, l_run, alpha, bad = state[0], state[1], state[2], state[3], state[4]
         acc = cuda.local.array(acc_per_thread, compute)
         k_staged = cuda.local.array(words_per_thread, word)
         v_staged = cuda.local.array(words_per_thread, word)
@@ -200,7 +210,7 @@ def persistent_kernel(cfg: Config):
             qo_len = qo_indptr[r + 1] - row_q_start
             for q_row0 in range(item_q0, item_q1, tile_rows):
                 nq = min(tile_rows, item_q1 - q_row0) * group
-                load_queries(t, q_tile, m_run, l_run, acc, q, q_row0, nq, kv_head)
+                load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head)
                 resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
                              kv_head, kv_start, kv_end)
                 cuda.syncthreads()
@@ -213,18 +223,20 @@ def persistent_kernel(cfg: Config):
                 for kv0 in range(kv_start, kv_end, tile_kv):
                     # Issue the next tile's loads now; they travel while this tile is computed.
                     load_rows(t, k_staged, v_staged, k_words, v_words, tile_rows_s)
-                    scores(t, s_tile, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len, kv_head,
-                           score_scale, window_left, cap, alibi_slopes, mask_indptr[r], mask)
+                    scores(t, s_tile, seen, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len,
+                           kv_head, score_scale, window_left, cap, alibi_slopes, mask_indptr[r], mask)
                     cuda.syncthreads()
                     probabilities(t, s_tile, p_tile, m_run, m_next, alpha, nq, sigmoid_bias)
                     cuda.syncthreads()
-                    accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, v_el, nq)
+                    accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, seen, v_el, nq)
                     cuda.syncthreads()
                     store_rows(t, k_staged, v_staged, k_tile, v_tile)
                     resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size,
                                  num_kv_heads, kv_head, kv0 + 2 * tile_kv, kv_end)
                     cuda.syncthreads()
-                finish(t, acc, m_run, l_run, nq, q_row0, kv_head, v_scale, out, lse, item_q0, part_o, part_lse,
+                flag_rows(t, acc, bad, nq)
+                cuda.syncthreads()
+                finish(t, acc, m_run, l_run, bad, nq, q_row0, kv_head, v_scale, out, lse, item_q0, part_o, part_lse,
                        part_row0)
                 cuda.syncthreads()
 
@@ -272,7 +284,10 @@ class Runner:
             work_plan.merge_indptr, work_plan.merge_partials, work_plan.merge_qo_start, work_plan.merge_qo_end))
         variant = spec.variant
         self._alibi = _at_least_one(variant.alibi_slopes if variant.alibi_slopes is not None else [], np.float64)
+        # The workspace serves one call at a time: a second thread's launches would overwrite partial states
+        # the first call's merge has not read yet (every launch goes to the default stream, in call order).
         self._workspace = previous._workspace if previous is not None else {}
+        self._lock = previous._lock if previous is not None else threading.Lock()
 
     def workspace(self, compute_name: str):
         """``(part_o [P, Hq, D], part_lse [P, Hq])`` in the compute dtype, allocated once per size."""
@@ -291,23 +306,34 @@ class Runner:
                                           word_size, np.dtype(compute_name).itemsize, self.item_rows)
         return Config(head_dim=spec.head_dim, group=spec.group_size, q_format=q_format, kv_format=kv_format,
                       compute_name=compute_name, kv_hnd=kv_view == "HND", dense=self.dense, causal=variant.causal,
-                      soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
+                      window=variant.window_left >= 0, soft_cap=variant.logits_soft_cap > 0,
+                      alibi=variant.alibi_slopes is not None,
                       sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None,
                       word_size=word_size, num_threads=launch.NUM_THREADS, tile_kv=tile_kv, tile_rows=tile_rows,
                       min_blocks=launch.MIN_BLOCKS_PER_SM)
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
         """Attention of ``q [nnz_qo, Hq, D]`` over ``k, v`` (the spec's storage); returns ``(out, lse or None)``."""
-        spec, work_plan, variant = self.spec, self.work_plan, self.spec.variant
+        spec, variant = self.spec, self.spec.variant
         q_format, kv_format = format_of(q), format_of(k)
         q_dev, k_dev, v_dev = (arrays.device_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
         row_bytes = spec.head_dim * numpy_dtype(kv_format).itemsize
         cfg = self.config(q_format, kv_format, spec.kv_view_of(k),
                           copy_word(row_bytes, _address(k_dev), _address(v_dev)).itemsize)
-        compute, lse_format = cfg.compute, cfg.compute_name
+        lse_format = cfg.compute_name
         nnz_qo, num_qo_heads = spec.layout.nnz_qo, spec.num_qo_heads
         out_dev = arrays.target(out, (nnz_qo, num_qo_heads, spec.head_dim), q_format, "out")
         lse_dev = arrays.target(lse, (nnz_qo, num_qo_heads), lse_format, "lse")
+        with self._lock:
+            self._launch(cfg, q_dev, k_dev, v_dev, out_dev, lse_dev, k_scale, v_scale)
+        result_o = arrays.deliver(out_dev, q_format, q, out)
+        want_lse = not variant.use_sigmoid and (return_lse or lse is not None)
+        return result_o, (arrays.deliver(lse_dev, lse_format, q, lse) if want_lse else None)
+
+    def _launch(self, cfg, q_dev, k_dev, v_dev, out_dev, lse_dev, k_scale, v_scale):
+        """The persistent kernel, then the plan's merge, over this runner's workspace."""
+        spec, work_plan, variant = self.spec, self.work_plan, self.spec.variant
+        compute = cfg.compute
         part_o, part_lse = self.workspace(cfg.compute_name)
         if work_plan.num_items:
             launch.run(persistent_kernel(cfg), (work_plan.num_ctas, spec.num_kv_heads), cfg.num_threads,
@@ -317,9 +343,7 @@ class Runner:
                 compute(v_scale or 1.0), variant.window_left, compute(variant.logits_soft_cap or 1.0), self._alibi,
                 compute(variant.sigmoid_bias or 0.0))
         if work_plan.num_merges:
-            merge = plan_merge_kernel(cfg.compute_name, q_format, spec.head_dim, cfg.sigmoid, launch.MERGE_THREADS)
-            launch.run(merge, (work_plan.num_merges, num_qo_heads), launch.MERGE_THREADS,
+            merge = plan_merge_kernel(cfg.compute_name, cfg.q_format, spec.head_dim, cfg.sigmoid,
+                                      launch.MERGE_THREADS)
+            launch.run(merge, (work_plan.num_merges, spec.num_qo_heads), launch.MERGE_THREADS,
                        part_o, part_lse, out_dev, lse_dev, *self._merge_args)
-        result_o = arrays.deliver(out_dev, q_format, q, out)
-        want_lse = not variant.use_sigmoid and (return_lse or lse is not None)
-        return result_o, (arrays.deliver(lse_dev, lse_format, q, lse) if want_lse else None)

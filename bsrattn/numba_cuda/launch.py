@@ -78,22 +78,28 @@ def device(fn):
     return fn if SIMULATOR else cuda.jit(device=True, inline="always")(fn)
 
 
+_simulated_launch = threading.Lock()
+
+
 def run(kernel, grid, threads, *args):
-    """Launch ``kernel[grid, threads](*args)``; under the simulator, with the GIL handed between threads every
-    50 µs instead of 5 ms for the launch's duration.
+    """Launch ``kernel[grid, threads](*args)``; under the simulator, one launch at a time, with the GIL handed
+    between threads every 50 µs instead of 5 ms for the launch's duration.
 
     The simulator runs a block's threads as Python threads and releases a ``syncthreads`` barrier from a
-    polling thread; at the default switch interval every barrier waits milliseconds for the GIL.
+    polling thread; at the default switch interval every barrier waits milliseconds for the GIL. Two launches
+    from two Python threads at once would share its per-process state (the switch interval, the simulated
+    thread context), so they take turns, as launches on one stream do on a GPU.
     """
     if not SIMULATOR:
         kernel[grid, threads](*args)
         return
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
-    try:
-        kernel[grid, threads](*args)
-    finally:
-        sys.setswitchinterval(previous)
+    with _simulated_launch:
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(5e-5)
+        try:
+            kernel[grid, threads](*args)
+        finally:
+            sys.setswitchinterval(previous)
 
 
 def _thread_safe_simulated_shared_memory():

@@ -25,17 +25,23 @@ from bsrattn.numba_cuda.launch import MERGE_THREADS, blocks_for, device
 
 
 def make_merge_pair(compute):
-    """Device function ``(o_a, s_a, o_b, s_b) -> (o, s)``: ⊕ of two states of one element; empty states weigh 0."""
+    """Device function ``(o_a, s_a, o_b, s_b) -> (o, s)``: ⊕ of two states of one element.
+
+    An empty state (``s = -inf``) adds exactly nothing, whatever its ``o``; a NaN or ``+inf`` ``s`` gives NaN
+    (through ``exp(NaN)`` and ``exp(inf - inf)``), whichever operand the max keeps.
+    """
     neg_inf, zero = compute(-math.inf), compute(0.0)
 
     @device
     def merge_pair(o_a, s_a, o_b, s_b):
-        m = max(s_a, s_b)
-        if m == neg_inf:
+        if s_a == neg_inf and s_b == neg_inf:
             return zero, neg_inf
+        m = s_a if s_a > s_b else s_b
         w_a, w_b = math.exp(s_a - m), math.exp(s_b - m)
+        t_a = zero if s_a == neg_inf else w_a * o_a
+        t_b = zero if s_b == neg_inf else w_b * o_b
         total = w_a + w_b
-        return (w_a * o_a + w_b * o_b) / total, m + math.log(total)
+        return (t_a + t_b) / total, m + math.log(total)
 
     return merge_pair
 

@@ -44,12 +44,13 @@ def make_microkernel(cfg):
     acc_per_thread = cfg.acc_per_thread
     causal, soft_cap, alibi, sigmoid, custom_mask = (cfg.causal, cfg.soft_cap, cfg.alibi, cfg.sigmoid,
                                                      cfg.custom_mask)
+    hidden_keys = cfg.hidden_keys
     decode_q, decode_kv = decoder(cfg.q_format, compute), decoder(cfg.kv_format, compute)
     encode_out = encoder(cfg.q_format)
-    neg_inf, zero, one = compute(-math.inf), compute(0.0), compute(1.0)
+    neg_inf, zero, one, nan = compute(-math.inf), compute(0.0), compute(1.0), compute(math.nan)
 
     @device
-    def load_queries(t, q_tile, m_run, l_run, acc, q, q_row0, nq, kv_head):
+    def load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head):
         """``q_tile [max_nq, D]`` (shared) <- the block's queries, decoded; reset the running state."""
         for e in range(t, nq * head_dim, threads):
             i, d = e // head_dim, e % head_dim
@@ -57,15 +58,18 @@ def make_microkernel(cfg):
         for i in range(t, nq, threads):
             m_run[i] = neg_inf
             l_run[i] = zero
+            bad[i] = zero
         for n in range(acc_per_thread):
             acc[n] = zero
 
     @device
-    def scores(t, s_tile, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len, kv_head, score_scale,
-               window_left, cap, alibi_slopes, mask_start, mask):
+    def scores(t, s_tile, seen, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len, kv_head,
+               score_scale, window_left, cap, alibi_slopes, mask_start, mask):
         """``s_tile [max_nq, tile_kv]`` (shared) <- transformed scores, ``-inf`` where masked.
 
         ``k_el [tile_kv, >= D]`` is the gathered K tile; ``alibi_slopes [Hq]``; ``mask`` the flat custom mask.
+        With keys that masks hide (``Config.hidden_keys``), ``seen [max_nq, tile_kv]`` (shared) <- 1 for the
+        visible pairs: a visible key's score may itself be ``-inf``, so the scores cannot tell.
         """
         for e in range(t, nq * tile_kv, threads):
             i, j = e // tile_kv, e % tile_kv
@@ -87,6 +91,8 @@ def make_microkernel(cfg):
                 if alibi:
                     s += compute(alibi_slopes[kv_head * group + i % group]) * compute(k_pos - q_pos)
             s_tile[i, j] = s
+            if hidden_keys:
+                seen[i, j] = 1 if visible else 0
 
     @device
     def probabilities(t, s_tile, p_tile, m_run, m_next, alpha, nq, sigmoid_bias):
@@ -114,9 +120,13 @@ def make_microkernel(cfg):
                     alpha[i] = math.exp(m_run[i] - m_safe)
 
     @device
-    def accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, v_el, nq):
+    def accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, seen, v_el, nq):
         """``acc = alpha * acc + P @ V`` per (query, d) and, one thread per query, ``l = alpha * l + sum_j p_j``
-        and ``m = m_new``. (Sigmoid: ``p_tile`` holds the weights and nothing is rescaled.)"""
+        and ``m = m_new``. (Sigmoid: ``p_tile`` holds the weights and nothing is rescaled.)
+
+        A hidden pair is skipped, not multiplied by a zero weight: ``0 * v`` is NaN for a NaN or infinite ``v``,
+        and no value of a hidden key may reach the output. Without masks that hide keys, every pair of the
+        tile is visible or past the range, whose rows ``load_rows`` zeroed."""
         if not sigmoid:
             for i in range(t, nq, threads):
                 total, j = l_run[i] * alpha[i], 0
@@ -131,26 +141,43 @@ def make_microkernel(cfg):
             if i < nq:
                 a, j = (acc[n] if sigmoid else acc[n] * alpha[i]), 0
                 while j < tile_kv:
-                    a += p_tile[i, j] * decode_kv(v_el[j, d])
+                    if not hidden_keys or seen[i, j]:
+                        a += p_tile[i, j] * decode_kv(v_el[j, d])
                     j += 1
                 acc[n] = a
 
     @device
-    def finish(t, acc, m_run, l_run, nq, q_row0, kv_head, v_scale, out, lse, item_q0, part_o, part_lse, part_row0):
+    def flag_rows(t, acc, bad, nq):
+        """``bad [max_nq]`` (shared) <- non-zero for each query with a NaN or infinity in its accumulator: a
+        visible key's non-finite ``v`` (or a NaN weight) then makes the whole output row NaN (see
+        :mod:`bsrattn.reference.microkernel`). Every thread writes the same value, so the writes may race."""
+        for n in range(acc_per_thread):
+            e = t + n * threads
+            i = e // head_dim
+            if i < nq and not math.isfinite(acc[n]):
+                bad[i] = one
+
+    @device
+    def finish(t, acc, m_run, l_run, bad, nq, q_row0, kv_head, v_scale, out, lse, item_q0, part_o, part_lse,
+               part_row0):
         """Write the state: ``o = acc / l``, ``lse = m + log l`` (0 and -inf for a query that saw no key).
 
-        An unsplit item (``part_row0 < 0``) writes ``out [nnz_qo, Hq, D]`` and ``lse [nnz_qo, Hq]`` directly; a
-        split item writes its partial state, unencoded, into ``part_o [P, Hq, D]`` and ``part_lse [P, Hq]``,
-        query row ``item_q0 + x`` of the item at workspace row ``part_row0 + x``.
+        ``l`` is NaN when a visible score was NaN or ``+inf``: the row is then NaN, never empty. A row that
+        :func:`flag_rows` marked is NaN. An unsplit item (``part_row0 < 0``) writes ``out [nnz_qo, Hq, D]`` and
+        ``lse [nnz_qo, Hq]`` directly; a split item writes its partial state, unencoded, into
+        ``part_o [P, Hq, D]`` and ``part_lse [P, Hq]``, query row ``item_q0 + x`` of the item at workspace row
+        ``part_row0 + x``.
         """
         for n in range(acc_per_thread):
             e = t + n * threads
             i, d = e // head_dim, e % head_dim
             if i < nq:
                 if sigmoid:
-                    o = acc[n] * v_scale
+                    o = nan if bad[i] != zero else acc[n] * v_scale
+                elif l_run[i] == zero:
+                    o = zero
                 else:
-                    o = acc[n] / l_run[i] * v_scale if l_run[i] > zero else zero
+                    o = nan if bad[i] != zero else acc[n] / l_run[i] * v_scale
                 row, head = q_row0 + i // group, kv_head * group + i % group
                 if part_row0 < 0:
                     out[row, head, d] = encode_out(o)
@@ -158,12 +185,12 @@ def make_microkernel(cfg):
                     part_o[part_row0 + row - item_q0, head, d] = o
         if not sigmoid:
             for i in range(t, nq, threads):
-                s = m_run[i] + math.log(l_run[i]) if l_run[i] > zero else neg_inf
+                s = m_run[i] + math.log(l_run[i]) if l_run[i] != zero else neg_inf
                 row, head = q_row0 + i // group, kv_head * group + i % group
                 if part_row0 < 0:
                     lse[row, head] = s
                 else:
                     part_lse[part_row0 + row - item_q0, head] = s
 
-    return load_queries, scores, probabilities, accumulate, finish
+    return load_queries, scores, probabilities, accumulate, flag_rows, finish
 
