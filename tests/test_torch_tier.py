@@ -139,7 +139,6 @@ def test_variants_with_split_plans(name):
         assert (attn.work_plans[0].num_merges > 0) == ("fixed_split_size" in options)
         got = attn.run(tensor(q), tensor(k), tensor(v), return_lse=not variant.use_sigmoid)
         check(got, want, sigmoid=variant.use_sigmoid, name=f"{name} {options}")
-        assert int(attn._runners[0].buffers.counters.sum()) == 0, "merge counters must be reset for the next launch"
 
 
 def test_masked_rows_give_zero_and_minus_inf():

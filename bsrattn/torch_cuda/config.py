@@ -24,7 +24,9 @@ exactly at that count, without these two bounds.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from dataclasses import astuple, dataclass, fields
 
 DECODE_ROWS = 64
@@ -54,6 +56,15 @@ def next_pow2(n: int) -> int:
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_interpreter = threading.Lock()
+
+
+def interpreter_turn():
+    """A context in which to launch a kernel: under the interpreter, one launch at a time (its state is per
+    process, and two Python threads launching at once would share it); compiled, nothing."""
+    return _interpreter if interpreting() else contextlib.nullcontext()
 
 
 def block_d(head_dim: int) -> int:

@@ -13,9 +13,10 @@ num_kv_heads)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for KV
 4. An unsplit item writes the output and LSE. A split item writes its partial state to its fixed
    workspace rows, then bumps its tile's integer counter (acquire-release, GPU scope); the program whose
    bump completes the count is the last to finish, and it folds the tile's partial states **in the plan's
-   order** (:func:`~bsrattn.torch_cuda.merge.fold_partials`) into the output and resets the counter for
-   the next launch. Which program merges depends on timing; what it computes does not, so the result is
-   bitwise deterministic, with no floating-point atomics and no second launch.
+   order** (:func:`~bsrattn.torch_cuda.merge.fold_partials`) into the output. Which program merges depends
+   on timing; what it computes does not, so the result is bitwise deterministic, with no floating-point
+   atomics and no second launch. The counters are cleared before every launch (:func:`launch`, inside a
+   captured graph too), so no launch depends on what an earlier one left in them, finished or not.
 
 No program waits for another, so the grid needs no co-residency. Everything that changes between plans
 is read from device buffers (:mod:`~bsrattn.torch_cuda.plan_buffers`), so a CUDA graph captured around a
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from bsrattn.torch_cuda import microkernel
+from bsrattn.torch_cuda.config import interpreter_turn
 from bsrattn.torch_cuda.gather import kv_strides
 from bsrattn.torch_cuda.indexing import query_position
 from bsrattn.torch_cuda.merge import fold_partials
@@ -148,7 +150,6 @@ def persistent_attention(
                                            SIGMOID)
                     _store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on,
                                  stride_oh, stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
-                tl.store(counter, 0)
 
 
 def launch_args(q, k, v, out, lse, buffers, config, scalars):
@@ -177,6 +178,8 @@ def launch_args(q, k, v, out, lse, buffers, config, scalars):
 
 
 def launch(q, k, v, out, lse, buffers, config, scalars):
-    """Launch :func:`persistent_attention` (arguments as :func:`launch_args`)."""
+    """Clear the merge counters, then launch :func:`persistent_attention` (arguments as :func:`launch_args`)."""
     grid, args, kwargs = launch_args(q, k, v, out, lse, buffers, config, scalars)
-    persistent_attention[grid](*args, **kwargs)
+    buffers.counters.zero_()
+    with interpreter_turn():
+        persistent_attention[grid](*args, **kwargs)

@@ -12,20 +12,25 @@ import torch
 import triton
 import triton.language as tl
 
-from bsrattn.torch_cuda.config import block_d
+from bsrattn.torch_cuda.config import block_d, interpreter_turn
 
 
 @triton.jit
 def merge_pair(o_a, lse_a, o_b, lse_b):  # o_a, o_b [BLOCK_M, BLOCK_D] f32; lse_a, lse_b [BLOCK_M] f32
-    """``(o_a, lse_a) ⊕ (o_b, lse_b)`` (reference ``merge_state``)."""
+    """``(o_a, lse_a) ⊕ (o_b, lse_b)`` (reference ``merge_state``).
+
+    An empty state adds exactly nothing, whatever its ``o``; a NaN or ``+inf`` LSE gives NaN through its own
+    weight (``exp(NaN)``, ``exp(inf - inf)``), whichever operand the max keeps.
+    """
     m = tl.maximum(lse_a, lse_b)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w_a = tl.exp(lse_a - m_safe)
     w_b = tl.exp(lse_b - m_safe)
+    t_a = tl.where((lse_a == float("-inf"))[:, None], 0.0, w_a[:, None] * o_a)
+    t_b = tl.where((lse_b == float("-inf"))[:, None], 0.0, w_b[:, None] * o_b)
     total = w_a + w_b
-    safe = tl.where(total > 0.0, total, 1.0)
-    o = (w_a[:, None] * o_a + w_b[:, None] * o_b) / safe[:, None]
-    lse = tl.where(total > 0.0, m_safe + tl.log(safe), float("-inf"))
+    o = (t_a + t_b) / tl.where(total == 0.0, 1.0, total)[:, None]
+    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total))
     return o, lse
 
 
@@ -125,9 +130,10 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor):
     lse_out = torch.empty((n, num_heads), dtype=torch.float32, device=o.device)
     rows = n * num_heads
     if rows:
-        _merge_states_kernel[(triton.cdiv(rows, BLOCK_R),)](o, lse, o_out, lse_out, num_states, num_heads, rows,
-                                                           HEAD_DIM=head_dim, BLOCK_R=BLOCK_R,
-                                                           BLOCK_D=block_d(head_dim))
+        with interpreter_turn():
+            _merge_states_kernel[(triton.cdiv(rows, BLOCK_R),)](o, lse, o_out, lse_out, num_states, num_heads, rows,
+                                                               HEAD_DIM=head_dim, BLOCK_R=BLOCK_R,
+                                                               BLOCK_D=block_d(head_dim))
     return o_out, lse_out
 
 
@@ -139,9 +145,10 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     lse_out = torch.empty(lse_a.shape, dtype=torch.float32, device=o_a.device)
     rows = lse_out.numel()
     if rows:
-        _merge_state_kernel[(triton.cdiv(rows, BLOCK_R),)](
-            o_a.contiguous(), lse_a.contiguous(), o_b.contiguous(), lse_b.contiguous(), o_out, lse_out, rows,
-            HEAD_DIM=head_dim, BLOCK_R=BLOCK_R, BLOCK_D=block_d(head_dim))
+        with interpreter_turn():
+            _merge_state_kernel[(triton.cdiv(rows, BLOCK_R),)](
+                o_a.contiguous(), lse_a.contiguous(), o_b.contiguous(), lse_b.contiguous(), o_out, lse_out, rows,
+                HEAD_DIM=head_dim, BLOCK_R=BLOCK_R, BLOCK_D=block_d(head_dim))
     return o_out, lse_out
 
 
@@ -151,5 +158,6 @@ def add_states(o_a, o_b):
     a, b = o_a.to(dtype).contiguous(), o_b.to(dtype).contiguous()
     out = torch.empty_like(a)
     if a.numel():
-        _add_kernel[(triton.cdiv(a.numel(), ADD_BLOCK),)](a, b, out, a.numel(), BLOCK=ADD_BLOCK)
+        with interpreter_turn():
+            _add_kernel[(triton.cdiv(a.numel(), ADD_BLOCK),)](a, b, out, a.numel(), BLOCK=ADD_BLOCK)
     return out

@@ -10,6 +10,11 @@ Must match :mod:`bsrattn.reference.microkernel` (``scores``, ``attend``, ``atten
   dots, never TF32); ``p`` is rounded to the input dtype before ``p @ v``. fp8 KV is cast to ``q``'s dtype
   on load; ``k_scale`` is folded into the score scale and ``v_scale`` into the output.
 - Masks: position masks (causal, sliding window) use :func:`bsrattn.indexing.key_visible`, re-decorated.
+- Numbers that are not numbers follow the reference's rules. ``p @ v`` cannot leave out a hidden pair (its
+  weight 0 times a NaN ``v`` is NaN), so in a tile where masks hide keys from some queries, ``v``'s
+  non-finite values are replaced by 0 and each query records whether a key it sees had one (``bad``);
+  elsewhere every loaded key is visible and the NaN or infinity reaches the accumulator by itself. A row
+  with a non-finite accumulator, or marked ``bad``, is all NaN.
 """
 
 from __future__ import annotations
@@ -97,18 +102,37 @@ def sigmoid_update(acc, s, vis, sigmoid_bias, v, MASKED: tl.constexpr, PRECISION
 
 
 @triton.jit
-def finish(acc, m_i, l_i, v_scale, SIGMOID: tl.constexpr):
-    """``(o [BLOCK_M, D], lse [BLOCK_M])``: normalised output and natural-log LSE; an empty row gives 0 and -inf."""
+def drop_hidden(v, vis, bad):  # v [BLOCK_N, D]; vis [BLOCK_M, BLOCK_N]; bad [BLOCK_M] int32
+    """``v`` with its NaNs and infinities replaced by 0, and ``bad`` marking the queries that see such a key."""
+    finite = (v - v) == 0  # NaN for NaN and +-inf, 0 otherwise
+    row_bad = tl.max(tl.where(finite, 0, 1), 1)
+    bad = tl.maximum(bad, tl.max(tl.where(vis & (row_bad[None, :] != 0), 1, 0), 1))
+    return tl.where(finite, v, tl.zeros_like(v)), bad
+
+
+@triton.jit
+def finish(acc, m_i, l_i, bad, v_scale, SIGMOID: tl.constexpr):
+    """``(o [BLOCK_M, D], lse [BLOCK_M])``: normalised output and natural-log LSE; an empty row gives 0 and -inf.
+
+    ``l`` is NaN when a visible score was NaN or ``+inf``: such a row is NaN, never empty. A row whose
+    accumulator holds a NaN or an infinity, or that ``bad`` marks, is all NaN.
+    """
+    has_keys = l_i != 0.0
     if SIGMOID:
-        return acc * v_scale, m_i
-    has_keys = l_i > 0.0
-    o = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+        o = acc * v_scale
+    else:
+        o = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
+    row_bad = (bad != 0) | (tl.max(tl.where((o - o) == 0, 0, 1), 1) != 0)
+    o = tl.where(row_bad[:, None], float("nan"), o)
+    lse = m_i
+    if not SIGMOID:
+        o = tl.where(has_keys[:, None], o, 0.0)
+        lse = tl.where(has_keys, (m_i + tl.log2(l_i)) * LN2, float("-inf"))
     return o, lse
 
 
 @triton.jit
-def attend_tile(acc, m_i, l_i, start, blocks, q, q_pos, q_local, valid_m, slopes,
+def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, slopes,
                 k_head, v_head, row_first_slot, kv_end, kv_len, mask_ptr, mask_start,
                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                 qk_scale, soft_cap, window_left, sigmoid_bias,
@@ -119,7 +143,8 @@ def attend_tile(acc, m_i, l_i, start, blocks, q, q_pos, q_local, valid_m, slopes
     """The running state after the KV tile of slots ``start:start+BLOCK_N`` (``blocks``: its block ids, sparse path).
 
     An unmasked tile (``MASKED`` false) is one the caller knows to lie inside the range and to be visible
-    whole to every query of the tile: no bounds, no position or custom mask are evaluated for it.
+    whole to every query of the tile: no bounds, no position or custom mask are evaluated for it. A masked
+    tile under masks that hide keys from some queries drops the hidden keys' values (:func:`drop_hidden`).
     """
     d = tl.arange(0, BLOCK_D)
     k_pos = start + tl.arange(0, BLOCK_N)
@@ -133,11 +158,13 @@ def attend_tile(acc, m_i, l_i, start, blocks, q, q_pos, q_local, valid_m, slopes
                       CAUSAL, HAS_WINDOW, CUSTOM_MASK)
     v_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_vb, stride_vs, BLOCK_SIZE, DENSE_ROWS)
     v = gather.load_tile(v_head, v_off, valid_n, d, stride_vd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
+    if MASKED and (CAUSAL or HAS_WINDOW or CUSTOM_MASK):
+        v, bad = drop_hidden(v, vis, bad)
     if SIGMOID:
         acc = sigmoid_update(acc, s, vis, sigmoid_bias, v, MASKED, PRECISION)
     else:
         acc, m_i, l_i = softmax_update(acc, m_i, l_i, s, vis, v, MASKED, PRECISION)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, bad
 
 
 @triton.jit
@@ -162,6 +189,7 @@ def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_M], dtype=tl.int32)
     # Sparse path: a tile's block ids are loaded one tile ahead, so no K/V copy waits on an index load of
     # its own iteration and the pipeliner keeps num_stages - 1 tiles in flight.
     blocks = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, kv_start, kv_end, BLOCK_N, BLOCK_SIZE,
@@ -173,8 +201,8 @@ def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_
         for start in range(kv_start, mid, BLOCK_N):
             ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end,
                                        BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
-            acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
+            acc, m_i, l_i, bad = attend_tile(
+                acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
                 kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
                 stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
                 DENSE_ROWS, False, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, CUSTOM_MASK, PRECISION)
@@ -182,10 +210,10 @@ def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_
     for start in range(mid, kv_end, BLOCK_N):
         ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end, BLOCK_N,
                                    BLOCK_SIZE, DENSE_ROWS)
-        acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
+        acc, m_i, l_i, bad = attend_tile(
+            acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
             kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
             stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
             DENSE_ROWS, True, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, CUSTOM_MASK, PRECISION)
         blocks = ahead
-    return finish(acc, m_i, l_i, v_scale, SIGMOID)
+    return finish(acc, m_i, l_i, bad, v_scale, SIGMOID)

@@ -28,6 +28,8 @@ then one asynchronous copy of the bytes the plan uses: the sections up to the en
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import astuple, dataclass, replace
 
 import numpy as np
@@ -205,8 +207,9 @@ class PlanBuffers:
     """The plan arrays, custom mask, partial-state workspace and merge counters of one runner, on ``device``.
 
     ``part_o [partial_rows, num_qo_heads, head_dim]`` and ``part_lse [partial_rows, num_qo_heads]`` (float32)
-    hold split items' partial states; ``counters [merges, num_kv_heads]`` (int32, zero between launches)
-    count the partial states of each split tile as they land, so the CTA that writes the last one merges.
+    hold split items' partial states; ``counters [merges, num_kv_heads]`` (int32, cleared at the start of
+    every launch) count the partial states of each split tile as they land, so the CTA that writes the last
+    one merges.
     ``host_staging`` (default: on a CUDA device) fills a host copy, pinned on CUDA, and copies the bytes a
     plan uses to the device; without it the plan is written in place (the CPU, under the Triton interpreter).
     """
@@ -242,9 +245,30 @@ class PlanBuffers:
         rows = max(capacity.partial_rows, 1)
         self.part_o = torch.zeros((rows, num_qo_heads, head_dim), dtype=torch.float32, device=device)
         self.part_lse = torch.zeros((rows, num_qo_heads), dtype=torch.float32, device=device)
-        self.counters = torch.zeros((max(capacity.merges, 1), num_kv_heads), dtype=torch.int32, device=device)
+        # Empty without merges: clearing them before each launch (executor.launch) is then free.
+        self.counters = torch.zeros((capacity.merges, num_kv_heads), dtype=torch.int32, device=device)
         # Stands in for lse when the caller wants none: a launch always gets a tensor there.
         self.no_lse = torch.zeros((1, 1), dtype=torch.float32, device=device)
+        self._turn = threading.Lock()
+        self._stream = None  # the CUDA stream of the last launch or refill
+
+    @contextlib.contextmanager
+    def ordered(self):
+        """A context for one launch or refill over these buffers: one at a time, each after the last.
+
+        The workspace and counters serve one launch at a time. Calls from several Python threads take
+        turns; a call on another CUDA stream than the last one first waits for that stream, so two streams'
+        launches cannot overlap on the same buffers. (Inside a CUDA graph capture the wait is left out: the
+        capture is ordered by its caller, and so are a captured graph's replays.)
+        """
+        with self._turn:
+            if self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device)
+                if (self._stream is not None and self._stream != stream
+                        and not torch.cuda.is_current_stream_capturing()):
+                    stream.wait_stream(self._stream)
+                self._stream = stream
+            yield
 
     def section(self, name: str) -> torch.Tensor:
         at, size = self.offsets[name]

@@ -8,7 +8,9 @@ the launch configuration (:class:`~bsrattn.torch_cuda.config.LaunchConfig`: tile
 the variant, dtypes, the KV view) and the tensors passed to ``run``. ``run`` allocates nothing but the
 outputs it is not given, and never synchronises with the host. The refill is an asynchronous copy on the
 current stream at ``plan`` time: run on that stream (or order the two), as with any stream-ordered write.
-One runner's workspace serves one launch at a time.
+One runner's workspace serves one launch at a time: calls from several threads or CUDA streams take turns
+(:meth:`~bsrattn.torch_cuda.plan_buffers.PlanBuffers.ordered`), and every launch clears its merge counters
+first, so none depends on what an earlier one left behind.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class Runner:
             capacity = need.grown(work_plan, spec.num_qo_heads, spec.head_dim) if headroom else need
             buffers = PlanBuffers(capacity, *shape)
         # The kernel carries the dense load path only for a plan with affine rows (LaunchConfig.dense_rows).
-        self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
+        with buffers.ordered():
+            self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
         self.spec = spec
         self.work_plan = work_plan
         self.device = device
@@ -108,8 +111,13 @@ class Runner:
                    1.0 if v_scale is None else float(v_scale),
                    float(spec.variant.logits_soft_cap), float(spec.variant.sigmoid_bias or 0.0)]
         b = self.buffers
-        torch.ops.bsrattn.attention_run(q_t, k_t, v_t, out_t, b.no_lse if lse_t is None else lse_t, b.plan, b.mask,
-                                        b.part_o, b.part_lse, b.counters, b.sections, config.to_list(), scalars)
+        args = (q_t, k_t, v_t, out_t, b.no_lse if lse_t is None else lse_t, b.plan, b.mask, b.part_o, b.part_lse,
+                b.counters, b.sections, config.to_list(), scalars)
+        if torch.compiler.is_compiling():  # traced: the compiled graph orders its launches
+            torch.ops.bsrattn.attention_run(*args)
+        else:
+            with b.ordered():
+                torch.ops.bsrattn.attention_run(*args)
         if as_numpy:
             o = write_back(out, out_t) if out is not None else to_numpy(out_t)
             s = None if lse_t is None else (write_back(lse, lse_t) if lse is not None else to_numpy(lse_t))
