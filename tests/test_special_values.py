@@ -1,0 +1,295 @@
+"""Numbers that are not numbers, keys a query cannot see, and launches that share buffers: on every tier.
+
+The rules (``bsrattn.reference.microkernel`` and ``bsrattn.reference.merge`` state them) are written here a
+second time, as a float64 loop over (query, head) from the layout's raw inputs (:func:`expected`), and every
+tier is checked against it, one-shot and through a plan that splits every row into chunks:
+
+- a hidden key (causal, window, custom mask, past the row's end, another request's) changes nothing;
+- a NaN or ``+inf`` visible score makes ``out`` and ``lse`` NaN; a ``-inf`` score weighs 0;
+- a non-finite value in a visible key's ``v`` makes the whole ``out`` row NaN, ``lse`` unchanged;
+- ⊕: an empty state is the identity whatever its ``o``; a NaN or ``+inf`` LSE gives NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+import bsrattn as ba
+from bsrattn.testing import compare
+from test_tiers import TIERS, load_tier
+
+# The emulators compute with NumPy, which warns at the NaNs and infinities these tests feed them on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+HQ, HKV, D, PAGE = 4, 2, 16, 4
+# Request 0: 3 queries over 10 keys in pages 3, 0, 5; request 1: 1 query over 6 keys in pages 1, 2 (page 2's
+# last two slots are past its end); page 4 belongs to no request.
+QO_LENS, KV_LENS, TABLES, NUM_PAGES = [3, 1], [10, 6], [[3, 0, 5], [1, 2]], 6
+
+
+def slot(request, position):
+    return TABLES[request][position // PAGE] * PAGE + position % PAGE
+
+
+def paged_views(variant):
+    """``[(request, slots, q_pos)]`` per query row: the pool slots it sees, from the raw inputs."""
+    views = []
+    for b, (qo, kv) in enumerate(zip(QO_LENS, KV_LENS)):
+        for i in range(qo):
+            q_pos = kv - qo + i
+            keys = [p for p in range(kv) if (not variant.causal or p <= q_pos)
+                    and (variant.window_left < 0 or q_pos - p <= variant.window_left)]
+            views.append((b, [slot(b, p) for p in keys], q_pos))
+    return views
+
+
+def expected(views, q, k, v, sigmoid_bias=None):
+    """The rules, in float64: ``q [n, Hq, D]``, ``k, v [num_slots, Hkv, D]`` -> ``(out, lse)``."""
+    group = HQ // HKV
+    out, lse = np.zeros(q.shape), np.full(q.shape[:2], -np.inf)
+    for n, (_, slots, _) in enumerate(views):
+        for h in range(HQ):
+            keys, vals = k[slots, h // group], v[slots, h // group]
+            with np.errstate(invalid="ignore", over="ignore"):
+                s = keys @ q[n, h] / math.sqrt(D)
+            v_bad = bool(slots) and not np.isfinite(vals).all()
+            if sigmoid_bias is not None:
+                lse[n, h] = np.nan
+                out[n, h] = np.nan if v_bad or np.isnan(s).any() else \
+                    (1 / (1 + np.exp(-(s + sigmoid_bias)))) @ np.nan_to_num(vals) if slots else 0
+                continue
+            if np.isnan(s).any() or (s == np.inf).any():
+                out[n, h], lse[n, h] = np.nan, np.nan
+                continue
+            w = np.exp(s - s.max()) if slots and s.max() > -np.inf else np.zeros(len(slots))
+            if w.sum() == 0:
+                continue  # empty: out 0, lse -inf
+            lse[n, h] = s.max() + math.log(w.sum())
+            out[n, h] = np.nan if v_bad else w @ vals / w.sum()
+    return out, lse
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((sum(QO_LENS), HQ, D))
+    k, v = rng.standard_normal((2, NUM_PAGES * PAGE, HKV, D))
+    return q, k, v
+
+
+def paged_layout():
+    return ba.layouts.paged(QO_LENS, TABLES, KV_LENS, page_size=PAGE, num_pages=NUM_PAGES)
+
+
+def run_tier(tier, layout, q, k, v, variant, planned):
+    """``(out, lse)`` of the tier on float32 inputs, one-shot or through a plan that splits rows into chunks."""
+    pool = (layout.num_blocks, layout.block_size, HKV, D)
+    args = [tier.array(x, "float32") for x in (q, k.reshape(pool), v.reshape(pool))]
+    want_lse = not variant.use_sigmoid
+    if planned:
+        attn = ba.BatchAttention(backend=tier.name)
+        attn.plan(layout, HQ, HKV, D, variant=variant, num_ctas=3, fixed_split_size=3)
+        assert attn.work_plans[0].num_merges > 0, "the plan must split rows, so that chunk states merge"
+        got = attn.run(*args, return_lse=want_lse)
+    else:
+        got = ba.attention(*args, layout, variant=variant, backend=tier.name, return_lse=want_lse)
+    o, s = got if want_lse else (got, None)
+    return tier.numpy(o), (None if s is None else tier.numpy(s))
+
+
+def check(tier, got, want, name):
+    for label, g, w in zip(("out", "lse"), got, want):
+        if g is None:
+            continue
+        result = compare(g, w, atol=2e-5, rtol=2e-5, name=f"{tier.name} {name} {label}")
+        assert result.ok, result.message
+
+
+@pytest.fixture(scope="module", params=TIERS)
+def tier(request):
+    return load_tier(request.param)
+
+
+# (name, variant, which array, request, position, value): one poisoned element per case.
+POISONS = {
+    "NaN v of a causally hidden key": (ba.Variant(causal=True), "v", 0, 9, np.nan),
+    "inf k of a causally hidden key": (ba.Variant(causal=True), "k", 0, 9, np.inf),
+    "NaN v outside the window": (ba.Variant(causal=True, window_left=2), "v", 0, 3, np.nan),
+    "NaN k and v past the row's end": (ba.Variant(), "kv", 1, 7, np.nan),
+    "NaN v of a visible key": (ba.Variant(), "v", 0, 4, np.nan),
+    "-inf v of a visible key": (ba.Variant(causal=True), "v", 1, 2, -np.inf),
+    "NaN k of a visible key": (ba.Variant(), "k", 1, 0, np.nan),
+    "+inf score": (ba.Variant(causal=True), "q+", 0, None, np.inf),
+    "-inf score of one key": (ba.Variant(), "k-", 0, 5, -np.inf),
+    "NaN k, sigmoid": (ba.Variant(sigmoid_bias=-0.5, causal=True), "k", 0, 8, np.nan),
+    "NaN v of a hidden key, sigmoid": (ba.Variant(sigmoid_bias=0.5, causal=True), "v", 0, 9, np.nan),
+}
+
+
+def poisoned(kind, request, position, value, q, k, v):
+    q, k, v = q.copy(), k.copy(), v.copy()
+    if kind == "q+":  # a positive score times infinity: +inf for every key of the request's first query
+        q[0, :, 0] = value
+        k[:, :, 0] = np.abs(k[:, :, 0]) + 0.5
+        return q, k, v
+    at = slot(request, position) if position < KV_LENS[request] else TABLES[request][-1] * PAGE + position % PAGE
+    if kind == "k-":  # a score of -inf for one key: positive queries against -inf in one dimension
+        q[:, :, 0] = np.abs(q[:, :, 0]) + 0.5
+        k[at, :, 0] = value
+    if "k" in kind.rstrip("-") or kind == "kv":
+        k[at, :, 1] = value
+    if "v" in kind:
+        v[at, :, 3] = value
+    return q, k, v
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["one-shot", "split plan"])
+@pytest.mark.parametrize("name", list(POISONS))
+def test_poisoned_inputs_follow_the_rules(tier, name, planned):
+    variant, kind, request, position, value = POISONS[name]
+    q, k, v = poisoned(kind, request, position if position is not None else 0, value, *inputs())
+    views = paged_views(variant)
+    got = run_tier(tier, paged_layout(), q, k, v, variant, planned)
+    check(tier, got, expected(views, q, k, v, variant.sigmoid_bias), name)
+
+
+@pytest.mark.parametrize("name", ["NaN v of a causally hidden key", "inf k of a causally hidden key",
+                                  "NaN v outside the window", "NaN k and v past the row's end"])
+def test_hidden_keys_leave_the_bits_unchanged(tier, name):
+    """A value a query cannot see changes no bit of its answer (the same call on clean inputs)."""
+    variant, kind, request, position, value = POISONS[name]
+    clean = inputs()
+    dirty = poisoned(kind, request, position, value, *clean)
+    blind = [slot(request, position) not in slots for _, slots, _ in paged_views(variant)]
+    assert any(blind)
+    for planned in (False, True):
+        a = run_tier(tier, paged_layout(), *clean, variant, planned)
+        b = run_tier(tier, paged_layout(), *dirty, variant, planned)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x[blind], y[blind])
+
+
+def test_tree_mask_hides_a_sibling(tier):
+    """Node 1 of the draft tree does not see node 2: a NaN in node 2's v reaches node 2's row only."""
+    layout = ba.layouts.tree([[-1, 0, 0]], [[0, 1]], kv_lens=[7], page_size=PAGE, num_pages=2)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, HQ, D))
+    k, v = rng.standard_normal((2, 2 * PAGE, HKV, D))
+    v[6, :, 2] = np.nan  # node 2 is the last of the 7 keys, slot 6
+    committed = list(range(4))
+    views = [(0, committed + [4], 4), (0, committed + [4, 5], 5), (0, committed + [4, 6], 6)]
+    for planned in (False, True):
+        got = run_tier(tier, layout, q, k, v, ba.Variant(), planned)
+        check(tier, got, expected(views, q, k, v), f"tree planned={planned}")
+        assert np.isnan(got[0][2]).all() and np.isfinite(got[0][:2]).all()
+
+
+def test_a_row_of_minus_inf_scores_is_empty(tier):
+    variant = ba.Variant()
+    q, k, v = inputs()
+    q[:, :, 0] = np.abs(q[:, :, 0]) + 0.5
+    for p in range(KV_LENS[1]):
+        k[slot(1, p), :, 0] = -np.inf
+    got = run_tier(tier, paged_layout(), q, k, v, variant, planned=True)
+    check(tier, got, expected(paged_views(variant), q, k, v), "all -inf")
+    assert (got[0][3] == 0).all() and (got[1][3] == -np.inf).all()
+
+
+# ---- ⊕ ------------------------------------------------------------------------------------------------
+
+def _state(tier, o, lse):
+    return tier.array(o, "float32"), tier.array(lse, "float32")
+
+
+def test_merge_special_states(tier):
+    rng = np.random.default_rng(2)
+    o_a, o_b = rng.standard_normal((2, 6, 1, 4))
+    lse_a, lse_b = rng.standard_normal((2, 6, 1))
+    o_a[0], lse_a[0] = np.nan, -np.inf          # an empty state with a NaN o: the identity
+    o_a[1], lse_a[1] = 1e30, -np.inf            # an empty state with a huge o: the identity
+    lse_a[2] = np.nan                           # NaN lse: NaN
+    lse_a[3] = np.inf                           # +inf lse: NaN
+    o_a[4, 0, 1] = np.nan                       # NaN in a non-empty state's o: reaches the merged o
+    lse_a[5], lse_b[5] = -np.inf, -np.inf       # two empty states: 0 and -inf
+    o, s = ba.merge_state(*_state(tier, o_a, lse_a), *_state(tier, o_b, lse_b), backend=tier.name)
+    o, s = tier.numpy(o), tier.numpy(s)
+    np.testing.assert_array_equal(o[:2], o_b[:2].astype(np.float32))
+    np.testing.assert_array_equal(s[:2], lse_b[:2].astype(np.float32))
+    assert np.isnan(o[2:4]).all() and np.isnan(s[2:4]).all()
+    assert np.isnan(o[4, 0, 1]) and np.isfinite(o[4, 0, [0, 2, 3]]).all() and np.isfinite(s[4]).all()
+    assert (o[5] == 0).all() and (s[5] == -np.inf).all()
+
+
+def test_merge_states_fold_skips_empty_states_and_keeps_nan(tier):
+    rng = np.random.default_rng(3)
+    o = rng.standard_normal((3, 4, 1, 4))
+    lse = rng.standard_normal((3, 4, 1))
+    o[0, 1], lse[0, 1] = np.nan, -np.inf        # request 0: an empty state with a NaN o in the middle
+    lse[1, 2] = np.nan                          # request 1: one chunk's lse is NaN
+    clean_o, clean_lse = np.delete(o[0:1], 1, axis=1), np.delete(lse[0:1], 1, axis=1)
+    got_o, got_s = ba.merge_states(*_state(tier, o, lse), backend=tier.name)
+    want_o, want_s = ba.merge_states(*_state(tier, clean_o, clean_lse), backend=tier.name)
+    np.testing.assert_array_equal(tier.numpy(got_o)[0], tier.numpy(want_o)[0])
+    np.testing.assert_array_equal(tier.numpy(got_s)[0], tier.numpy(want_s)[0])
+    assert np.isnan(tier.numpy(got_o)[1]).all() and np.isnan(tier.numpy(got_s)[1]).all()
+    assert np.isfinite(tier.numpy(got_o)[2]).all()
+
+
+# ---- launches that share buffers ---------------------------------------------------------------------
+
+def _workspaces(attn):
+    """The buffers a tier keeps between launches, poisoned by the test: (tensors to fill with garbage)."""
+    runner = attn._runners[0]
+    if hasattr(runner, "buffers"):  # torch: counters, partial states
+        b = runner.buffers
+        return [(b.counters, 7), (b.part_o, float("nan")), (b.part_lse, float("nan"))]
+    if hasattr(runner, "_workspace"):  # numba: partial states
+        return [(x, float("nan")) for pair in runner._workspace.values() for x in pair]
+    return []
+
+
+def test_no_launch_depends_on_what_an_earlier_one_left(tier):
+    """Garbage in the counters and workspace (what an interrupted or overlapping launch leaves) changes nothing."""
+    variant = ba.Variant(causal=True)
+    q, k, v = inputs()
+    want = expected(paged_views(variant), q, k, v)
+    attn = ba.BatchAttention(backend=tier.name)
+    attn.plan(paged_layout(), HQ, HKV, D, variant=variant, num_ctas=3, fixed_split_size=3)
+    pool = (NUM_PAGES, PAGE, HKV, D)
+    args = [tier.array(x, "float32") for x in (q, k.reshape(pool), v.reshape(pool))]
+    attn.run(*args)  # allocates the workspace
+    for x, value in _workspaces(attn):
+        if hasattr(x, "fill_"):
+            x.fill_(value)
+        else:
+            x.copy_to_device(np.full(x.shape, value, dtype=x.dtype))
+    o, s = attn.run(*args, return_lse=True)
+    check(tier, (tier.numpy(o), tier.numpy(s)), want, "after garbage")
+
+
+def test_threads_sharing_one_batch_attention_each_get_their_answer(tier):
+    variant = ba.Variant(causal=True)
+    attn = ba.BatchAttention(backend=tier.name)
+    attn.plan(paged_layout(), HQ, HKV, D, variant=variant, num_ctas=3, fixed_split_size=3)
+    pool = (NUM_PAGES, PAGE, HKV, D)
+    results, errors = {}, []
+
+    def worker(seed):
+        try:
+            q, k, v = inputs(seed)
+            args = [tier.array(x, "float32") for x in (q, k.reshape(pool), v.reshape(pool))]
+            results[seed] = [tier.numpy(x) for x in attn.run(*args, return_lse=True)]
+        except Exception as err:  # noqa: BLE001 - reported in the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for seed, got in results.items():
+        check(tier, got, expected(paged_views(variant), *inputs(seed)), f"thread {seed}")
