@@ -293,3 +293,89 @@ def test_threads_sharing_one_batch_attention_each_get_their_answer(tier):
     assert not errors, errors
     for seed, got in results.items():
         check(tier, got, expected(paged_views(variant), *inputs(seed)), f"thread {seed}")
+
+
+# ---- the compiled kernels at real sizes (H200) ---------------------------------------------------------
+
+GPU_HQ, GPU_HKV, GPU_D = 32, 8, 128
+
+
+def _gpu_run(layout, q, k, v, variant, **plan_kwargs):
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout, GPU_HQ, GPU_HKV, GPU_D, variant=variant, **plan_kwargs)
+    return [x.float().cpu().numpy() for x in attn.run(q, k, v, return_lse=True)]
+
+
+def _heads_of(kv_head):
+    group = GPU_HQ // GPU_HKV
+    return slice(kv_head * group, (kv_head + 1) * group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_causal_prefill_rows_that_see_a_nan(dtype):
+    """1 x 1024 causal prefill: the unmasked interior tiles and the masked diagonal ones, compiled."""
+    torch = pytest.importorskip("torch")
+    n = 1024
+    layout = ba.layouts.ragged([n], [n])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(n, h, GPU_D, device="cuda", generator=gen).to(getattr(torch, dtype))
+               for h in (GPU_HQ, GPU_HKV, GPU_HKV))
+    variant = ba.Variant(causal=True)
+    clean_o, clean_s = _gpu_run(layout, q, k, v, variant)
+    k[700, 1, 9], v[100, 3, 5] = float("nan"), float("inf")
+    o, s = _gpu_run(layout, q, k, v, variant)
+    rows_v, rows_k = slice(100, n), slice(700, n)
+    assert np.isnan(o[rows_v, _heads_of(3)]).all() and np.isnan(o[rows_k, _heads_of(1)]).all()
+    assert np.isnan(s[rows_k, _heads_of(1)]).all()
+    np.testing.assert_array_equal(s[rows_v, _heads_of(3)], clean_s[rows_v, _heads_of(3)])
+    touched = np.zeros(o.shape[:2], dtype=bool)
+    touched[rows_v, _heads_of(3)] = touched[rows_k, _heads_of(1)] = True
+    np.testing.assert_array_equal(o[~touched], clean_o[~touched])
+    np.testing.assert_array_equal(s[~touched], clean_s[~touched])
+
+
+@pytest.mark.gpu
+def test_gpu_paged_decode_nan_stays_in_its_request():
+    """16 x 4096 paged decode through the default (split) plan: a NaN in one request's page, and in a free one."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    batch, kv_len, pages = 16, 4096, 16 * 256 + 8
+    perm = rng.permutation(pages)
+    tables = perm[:batch * 256].reshape(batch, 256)
+    layout = ba.layouts.paged([1] * batch, tables, [kv_len] * batch, page_size=16, num_pages=pages)
+    q = torch.randn(batch, GPU_HQ, GPU_D, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(pages, 16, GPU_HKV, GPU_D, device="cuda", dtype=torch.float16) for _ in range(2))
+    clean = _gpu_run(layout, q, k, v, ba.Variant())
+    v[int(tables[3, 100]), 7, 2, 0] = float("nan")
+    k[int(perm[-1]), 0, :, :] = float("nan")  # a page no request lists
+    o, s = _gpu_run(layout, q, k, v, ba.Variant())
+    assert np.isnan(o[3, _heads_of(2)]).all()
+    np.testing.assert_array_equal(s, clean[1])
+    o[3, _heads_of(2)] = clean[0][3, _heads_of(2)]
+    np.testing.assert_array_equal(o, clean[0])
+
+
+@pytest.mark.gpu
+def test_gpu_two_streams_sharing_one_batch_attention_take_turns():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    batch, kv_len = 8, 2048
+    tables = rng.permutation(batch * 128).reshape(batch, 128)
+    layout = ba.layouts.paged([1] * batch, tables, [kv_len] * batch, page_size=16, num_pages=batch * 128)
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout, GPU_HQ, GPU_HKV, GPU_D)
+    assert attn.work_plans[0].num_merges > 0
+    shapes = ((batch, GPU_HQ, GPU_D), (batch * 128, 16, GPU_HKV, GPU_D), (batch * 128, 16, GPU_HKV, GPU_D))
+    inputs_ = [[torch.randn(*shape, device="cuda", dtype=torch.float16) for shape in shapes] for _ in range(2)]
+    want = [attn.run(*x).clone() for x in inputs_]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    got = []
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for stream, x in zip(streams, inputs_):
+            with torch.cuda.stream(stream):
+                got.append(attn.run(*x))
+    torch.cuda.synchronize()
+    for i, out in enumerate(got):
+        torch.testing.assert_close(out, want[i % 2], rtol=0, atol=0)
