@@ -323,6 +323,7 @@ def test_gpu_causal_prefill_rows_that_see_a_nan(dtype):
                for h in (GPU_HQ, GPU_HKV, GPU_HKV))
     variant = ba.Variant(causal=True)
     clean_o, clean_s = _gpu_run(layout, q, k, v, variant)
+    assert np.isfinite(clean_o).all() and np.isfinite(clean_s).all()
     k[700, 1, 9], v[100, 3, 5] = float("nan"), float("inf")
     o, s = _gpu_run(layout, q, k, v, variant)
     rows_v, rows_k = slice(100, n), slice(700, n)
@@ -347,6 +348,7 @@ def test_gpu_paged_decode_nan_stays_in_its_request():
     q = torch.randn(batch, GPU_HQ, GPU_D, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(pages, 16, GPU_HKV, GPU_D, device="cuda", dtype=torch.float16) for _ in range(2))
     clean = _gpu_run(layout, q, k, v, ba.Variant())
+    assert np.isfinite(clean[0]).all() and np.isfinite(clean[1]).all()
     v[int(tables[3, 100]), 7, 2, 0] = float("nan")
     k[int(perm[-1]), 0, :, :] = float("nan")  # a page no request lists
     o, s = _gpu_run(layout, q, k, v, ba.Variant())
@@ -369,6 +371,7 @@ def test_gpu_two_streams_sharing_one_batch_attention_take_turns():
     shapes = ((batch, GPU_HQ, GPU_D), (batch * 128, 16, GPU_HKV, GPU_D), (batch * 128, 16, GPU_HKV, GPU_D))
     inputs_ = [[torch.randn(*shape, device="cuda", dtype=torch.float16) for shape in shapes] for _ in range(2)]
     want = [attn.run(*x).clone() for x in inputs_]
+    assert all(bool(torch.isfinite(w).all()) for w in want)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     got = []
     torch.cuda.synchronize()

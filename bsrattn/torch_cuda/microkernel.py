@@ -102,11 +102,15 @@ def sigmoid_update(acc, s, vis, sigmoid_bias, v, MASKED: tl.constexpr, PRECISION
 
 
 @triton.jit
-def drop_hidden(v, vis, bad):  # v [BLOCK_N, D]; vis [BLOCK_M, BLOCK_N]; bad [BLOCK_M] int32
-    """``v`` with its NaNs and infinities replaced by 0, and ``bad`` marking the queries that see such a key."""
-    finite = (v - v) == 0  # NaN for NaN and +-inf, 0 otherwise
-    row_bad = tl.max(tl.where(finite, 0, 1), 1)
-    bad = tl.maximum(bad, tl.max(tl.where(vis & (row_bad[None, :] != 0), 1, 0), 1))
+def drop_hidden(v, vis, bad):  # v [BLOCK_N, D]; vis [BLOCK_M, BLOCK_N]; bad [BLOCK_M] f32
+    """``v`` with its NaNs and infinities replaced by 0, and ``bad`` marking the queries that see such a key.
+
+    The tests are float sums (``x * 0`` is 0 for a finite ``x``, NaN otherwise), not reductions of booleans:
+    the compiled kernel then folds no unrelated value into them.
+    """
+    finite = (v - v) == 0
+    row_bad = tl.sum(v.to(tl.float32) * 0.0, 1) != 0.0
+    bad += tl.sum(tl.where(vis & row_bad[None, :], 1.0, 0.0), 1)
     return tl.where(finite, v, tl.zeros_like(v)), bad
 
 
@@ -115,20 +119,15 @@ def finish(acc, m_i, l_i, bad, v_scale, SIGMOID: tl.constexpr):
     """``(o [BLOCK_M, D], lse [BLOCK_M])``: normalised output and natural-log LSE; an empty row gives 0 and -inf.
 
     ``l`` is NaN when a visible score was NaN or ``+inf``: such a row is NaN, never empty. A row whose
-    accumulator holds a NaN or an infinity, or that ``bad`` marks, is all NaN.
+    accumulator holds a NaN or an infinity, or that ``bad`` marks, is all NaN: its scale is NaN.
     """
     has_keys = l_i != 0.0
+    row_bad = (bad != 0.0) | (tl.sum(acc * 0.0, 1) != 0.0)
+    scale = tl.where(row_bad, float("nan"), v_scale)
     if SIGMOID:
-        o = acc * v_scale
-    else:
-        o = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
-    row_bad = (bad != 0) | (tl.max(tl.where((o - o) == 0, 0, 1), 1) != 0)
-    o = tl.where(row_bad[:, None], float("nan"), o)
-    lse = m_i
-    if not SIGMOID:
-        o = tl.where(has_keys[:, None], o, 0.0)
-        lse = tl.where(has_keys, (m_i + tl.log2(l_i)) * LN2, float("-inf"))
-    return o, lse
+        return acc * scale[:, None], m_i
+    o = tl.where(has_keys[:, None], acc * (scale / tl.where(has_keys, l_i, 1.0))[:, None], 0.0)
+    return o, tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
 
 
 @triton.jit
@@ -189,7 +188,7 @@ def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    bad = tl.zeros([BLOCK_M], dtype=tl.int32)
+    bad = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Sparse path: a tile's block ids are loaded one tile ahead, so no K/V copy waits on an index load of
     # its own iteration and the pipeliner keeps num_stages - 1 tiles in flight.
     blocks = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, kv_start, kv_end, BLOCK_N, BLOCK_SIZE,
