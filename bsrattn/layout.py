@@ -18,17 +18,63 @@ import numpy as np
 
 from bsrattn import indexing
 
-_INT32_MAX = np.iinfo(np.int32).max
+_INT32_MIN, _INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 
 
-def _as_index_array(name, values, ndim=1):
-    arr = np.asarray(values)
-    if arr.dtype == bool or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
-    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > _INT32_MAX):
-        raise ValueError(f"{name} does not fit in int32 (range {arr.min()}..{arr.max()})")
+def as_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int: a Python or NumPy integer, never a bool or a float (not even ``2.0``).
+
+    ``minimum``/``maximum`` bound it (inclusive); a value outside raises ``ValueError`` naming ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def as_index_array(name: str, values) -> np.ndarray:
+    """``values`` as a NumPy integer array whose entries fit in int32, or ``TypeError``/``ValueError`` naming ``name``.
+
+    Only integers are accepted (Python ints, NumPy integer arrays): floats are refused, even integral ones
+    like ``2.0``, so that a fractional or NaN id is never truncated; bools and strings are refused too.
+    """
+    try:
+        arr = np.asarray(values)
+    except ValueError as err:  # a ragged nested sequence
+        raise ValueError(f"{name} must be a rectangular array of integers: {err}") from None
+    if arr.dtype.kind not in "iu" and arr.size:
+        if arr.dtype.kind == "O" and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in arr.flat):
+            # Python ints too large for any NumPy integer type: NumPy keeps them as objects.
+            _out_of_int32(name, arr, [not _INT32_MIN <= x <= _INT32_MAX for x in arr.flat])
+        flat = arr.reshape(-1)
+        at = 0  # the first offending entry
+        if arr.dtype.kind == "O":
+            at = next(i for i, x in enumerate(flat) if isinstance(x, bool) or not isinstance(x, (int, np.integer)))
+        elif arr.dtype.kind == "f":
+            at = int(np.argmax(~np.isfinite(flat) | (flat != np.trunc(flat))))
+        value = flat[at].item() if isinstance(flat[at], np.generic) else flat[at]
+        integral = arr.dtype.kind == "f" and float(value).is_integer()
+        raise TypeError(f"{name} must hold integers, got {value!r}"
+                        + (" (floats are refused, even integral ones)" if integral else ""))
+    if arr.size and (arr.min() < _INT32_MIN or arr.max() > _INT32_MAX):
+        _out_of_int32(name, arr, (arr < _INT32_MIN) | (arr > _INT32_MAX))
+    return arr if arr.dtype.kind in "iu" else arr.astype(np.int64)  # an empty sequence is float64 to NumPy
+
+
+def _out_of_int32(name, arr, outside):
+    at = np.unravel_index(int(np.argmax(np.reshape(outside, -1))), arr.shape)
+    raise ValueError(f"{name} must fit in int32 ({_INT32_MIN}..{_INT32_MAX}), got {name}[{', '.join(map(str, at))}]="
+                     f"{arr[at]}")
+
+
+def _as_int32_field(name, values):
+    arr = as_index_array(name, values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     out = np.array(arr, dtype=np.int32, copy=True)
     out.flags.writeable = False
     return out
@@ -66,6 +112,18 @@ class BSRLayout:
     custom_mask : array of bool, optional
         Per-row ``[qo_len, kv_len]`` element masks, flattened row-major and concatenated over rows.
 
+    Raises
+    ------
+    TypeError
+        An index array holding anything but integers (floats are refused, even integral ones like ``2.0``,
+        so a fractional or NaN id is never truncated), a ``block_size``/``num_blocks`` that is not an int, a
+        ``custom_mask`` that is not bool.
+    ValueError
+        Entries outside int32, indptrs not starting at 0 or decreasing, ``kv_indices`` outside
+        ``[0, num_blocks)``, ``kv_last_len`` outside ``1..block_size``, a row whose ``kv_len`` exceeds
+        ``2**31 - 1`` (computed in int64, so it cannot wrap), a pool or a ``custom_mask`` too large for int32
+        indexing, or a ``custom_mask`` of the wrong size.
+
     Examples
     --------
     >>> import bsrattn as ba
@@ -88,17 +146,13 @@ class BSRLayout:
 
     def __post_init__(self):
         set_ = object.__setattr__
-        for name in ("block_size", "num_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            set_(self, name, int(value))
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks < 0 or self.num_blocks * self.block_size > _INT32_MAX:
-            raise ValueError(f"num_blocks={self.num_blocks} x block_size={self.block_size} is out of range")
+        set_(self, "block_size", as_int("block_size", self.block_size, minimum=1))
+        set_(self, "num_blocks", as_int("num_blocks", self.num_blocks, minimum=0))
+        if self.num_blocks * self.block_size > _INT32_MAX:
+            raise ValueError(f"num_blocks={self.num_blocks} x block_size={self.block_size} slots do not fit in int32 "
+                             f"(at most {_INT32_MAX})")
         for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_len"):
-            set_(self, name, _as_index_array(name, getattr(self, name)))
+            set_(self, name, _as_int32_field(name, getattr(self, name)))
         num_rows = self.qo_indptr.size - 1
         if self.kv_indptr.size != num_rows + 1:
             raise ValueError(f"kv_indptr has shape {self.kv_indptr.shape}, qo_indptr {self.qo_indptr.shape}: "
@@ -121,9 +175,15 @@ class BSRLayout:
             r = int(np.argmax(bad))
             raise ValueError(f"kv_last_len[{r}]={self.kv_last_len[r]} must be in {lo[r]}..{hi[r]} "
                              f"(row {r} has {int(nblocks[r])} blocks of block_size={self.block_size})")
-        # The lengths are derived once: a frozen layout is read on every plan() (host time, W6).
+        # The lengths are derived once: a frozen layout is read on every plan() (host time, W6). In int64: a
+        # row may list a block many times, and its length must not wrap before it is checked.
         qo_lens = np.diff(self.qo_indptr)
-        kv_lens = np.where(has_blocks, (nblocks - 1) * self.block_size + self.kv_last_len, 0).astype(np.int32)
+        kv_lens = np.where(has_blocks, (nblocks.astype(np.int64) - 1) * self.block_size + self.kv_last_len, 0)
+        if kv_lens.size and kv_lens.max() > _INT32_MAX:
+            r = int(np.argmax(kv_lens > _INT32_MAX))
+            raise ValueError(f"row {r} has kv_len {kv_lens[r]} ({int(nblocks[r])} blocks of block_size="
+                             f"{self.block_size}), more than int32 holds ({_INT32_MAX})")
+        kv_lens = kv_lens.astype(np.int32)
         for name, lens in (("_qo_lens", qo_lens), ("_kv_lens", kv_lens)):
             lens.flags.writeable = False
             set_(self, name, lens)
@@ -136,9 +196,11 @@ class BSRLayout:
             mask = np.asarray(self.custom_mask)
             if mask.dtype != bool:
                 raise TypeError(f"custom_mask must be bool, got dtype {mask.dtype}")
-            mask = np.array(mask.reshape(-1), copy=True)
             if mask.size != mask_indptr[-1]:
                 raise ValueError(f"custom_mask has {mask.size} elements, expected sum(qo_len*kv_len)={mask_indptr[-1]}")
+            if mask.size > _INT32_MAX:
+                raise ValueError(f"custom_mask has {mask.size} elements, more than int32 indexes ({_INT32_MAX})")
+            mask = np.array(mask.reshape(-1), copy=True)
             mask.flags.writeable = False
             set_(self, "custom_mask", mask)
 

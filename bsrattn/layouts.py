@@ -9,6 +9,10 @@
 | :func:`quest` | page size | one per (request, KV head) | each head's selected pages |
 | :func:`tree` | page size | one per request | the page table, plus a tree mask |
 | :func:`shared_prefix` | page size | a :class:`~bsrattn.Cascade` | prefix level (all queries in one row) + suffixes |
+
+Every length, index and size argument must hold integers (Python ints or NumPy integers, within int32):
+floats are refused with ``TypeError``, even integral ones like ``2.0``, and so are bools, so that a
+fractional or NaN id is never truncated to a valid one.
 """
 
 from __future__ import annotations
@@ -16,21 +20,57 @@ from __future__ import annotations
 import numpy as np
 
 from bsrattn import indexing
-from bsrattn.layout import BSRLayout, Cascade
+from bsrattn.layout import BSRLayout, Cascade, as_index_array, as_int
+
+_INT32_MAX = np.iinfo(np.int32).max
 
 __all__ = ["dense", "ragged", "paged", "block_sparse", "vector_sparse", "quest", "tree", "shared_prefix",
            "per_head_views"]
 
 
 def _lengths(name, values, size=None):
-    arr = np.asarray(values)
-    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(f"{name} must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
+    """``[B]`` lengths as int64: integers in ``0..2**31-1``."""
+    arr = as_index_array(name, values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of ints, got shape {arr.shape}")
     if (arr < 0).any():
-        raise ValueError(f"{name} must be >= 0, got {arr.tolist()[:8]}")
+        i = int(np.argmax(arr < 0))
+        raise ValueError(f"{name} must be >= 0, got {name}[{i}]={arr[i]}")
     if size is not None and arr.size != size:
         raise ValueError(f"{name} has {arr.size} entries, expected {size}")
     return arr.astype(np.int64)
+
+
+def _rows(name, values, count, of):
+    """``values`` as a list of ``count`` rows (one per request), or an error naming ``name``."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{name} must be a sequence with one entry per request, got {type(values).__name__}")
+    if len(values) != count:
+        raise ValueError(f"{name} has {len(values)} rows, {of} has {count}")
+    return list(values)
+
+
+def _row(name, values):
+    """One row of ``name`` (a page table, a token list, a tree) as a flat integer array.
+
+    Only its dtype is checked here; its entries' range is checked where they are used (page ids with the
+    layout's indices, once for all rows).
+    """
+    try:
+        arr = np.asarray(values)
+    except ValueError:  # a ragged nested row: as_index_array says so
+        arr = None
+    if arr is None or arr.dtype.kind not in "iu":
+        arr = as_index_array(name, values)
+    return arr.reshape(-1)
+
+
+def _check_total(name, lengths):
+    """Refuse lengths whose sum, the size of an int32-indexed array the layout builds, overflows int32."""
+    total = int(lengths.sum())
+    if total > _INT32_MAX:
+        raise ValueError(f"{name} sum to {total}, more than int32 holds ({_INT32_MAX})")
+    return total
 
 
 def _indptr(lengths):
@@ -54,7 +94,8 @@ def ragged(qo_lens, kv_lens) -> BSRLayout:
     """
     kv_lens = _lengths("kv_lens", kv_lens)
     qo_lens = _lengths("qo_lens", qo_lens, kv_lens.size)
-    total = int(kv_lens.sum())
+    _check_total("qo_lens", qo_lens)
+    total = _check_total("kv_lens", kv_lens)  # before the [sum(kv_lens)] indices are made
     return BSRLayout(_indptr(qo_lens), _indptr(kv_lens), np.arange(total), np.minimum(kv_lens, 1), 1, total)
 
 
@@ -68,7 +109,7 @@ def dense(qo_len: int, kv_len: int) -> BSRLayout:
     >>> lay.num_rows, lay.kv_slots(0).tolist()
     (1, [0, 1, 2, 3, 4])
     """
-    return ragged([qo_len], [kv_len])
+    return ragged([as_int("qo_len", qo_len, minimum=0)], [as_int("kv_len", kv_len, minimum=0)])
 
 
 def paged(qo_lens, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRLayout:
@@ -89,18 +130,24 @@ def paged(qo_lens, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRL
     >>> lay.kv_last_len.tolist(), lay.kv_slots(0)[15:17].tolist()
     ([4], [127, 32])
     """
-    kv_lens = _lengths("kv_lens", kv_lens)
+    return _paged(qo_lens, page_tables, kv_lens, page_size, num_pages)
+
+
+def _paged(qo_lens, page_tables, kv_lens, page_size, num_pages, tables_name="page_tables", lens_name="kv_lens"):
+    """:func:`paged`, its errors naming the caller's arguments (:func:`shared_prefix` passes its own names)."""
+    kv_lens = _lengths(lens_name, kv_lens)
     qo_lens = _lengths("qo_lens", qo_lens, kv_lens.size)
-    if len(page_tables) != kv_lens.size:
-        raise ValueError(f"page_tables has {len(page_tables)} rows, kv_lens has {kv_lens.size}")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    page_tables = _rows(tables_name, page_tables, kv_lens.size, lens_name)
+    page_size = as_int("page_size", page_size, minimum=1)
+    num_pages = as_int("num_pages", num_pages, minimum=0)
+    _check_total("qo_lens", qo_lens)
     n_pages = indexing.ceil_div(kv_lens, page_size)
     tables = []
     for b, table in enumerate(page_tables):
-        table = np.asarray(table, dtype=np.int64).reshape(-1)
+        table = _row(f"{tables_name}[{b}]", table)
         if table.size < n_pages[b]:
-            raise ValueError(f"page_tables[{b}] has {table.size} pages, kv_lens[{b}]={kv_lens[b]} needs {n_pages[b]}")
+            raise ValueError(f"{tables_name}[{b}] has {table.size} pages, {lens_name}[{b}]={kv_lens[b]} needs "
+                             f"{n_pages[b]}")
         tables.append(table[:n_pages[b]])
     indices = np.concatenate(tables) if tables else np.zeros(0, np.int64)
     return BSRLayout(_indptr(qo_lens), _indptr(n_pages), indices, _last_len(kv_lens, page_size), page_size, num_pages)
@@ -133,16 +180,21 @@ def block_sparse(indptr, indices, M: int, N: int, R: int, C: int, mask=None) -> 
     >>> lay.block_occupancy(4, 4).astype(int).tolist()
     [[1, 0], [1, 1]]
     """
-    if R < 1 or C < 1 or M % R or N % C:
+    M, N = as_int("M", M, minimum=0), as_int("N", N, minimum=0)
+    R, C = as_int("R", R, minimum=1), as_int("C", C, minimum=1)
+    if M % R or N % C:
         raise ValueError(f"need M % R == 0 and N % C == 0 with R, C >= 1; got M={M}, N={N}, R={R}, C={C}")
     rows = M // R
-    indptr = np.asarray(indptr, dtype=np.int64)
+    indptr = as_index_array("indptr", indptr).astype(np.int64)
+    indices = as_index_array("indices", indices)
     if indptr.shape != (rows + 1,):
         raise ValueError(f"indptr has shape {indptr.shape}, expected [M/R + 1]=[{rows + 1}]")
     nblocks = np.diff(indptr)
     custom = None
     if mask is not None:
         mask = np.asarray(mask)
+        if mask.dtype != bool:
+            raise TypeError(f"mask must be bool, got dtype {mask.dtype}")
         nnz = int(indptr[-1])
         if mask.shape != (nnz, R, C):
             raise ValueError(f"mask has shape {mask.shape}, expected [nnz, R, C]=[{nnz}, {R}, {C}]")
@@ -160,9 +212,11 @@ def vector_sparse(token_indices, qo_lens, num_slots: int) -> BSRLayout:
     >>> ba.layouts.vector_sparse([[9, 2, 5]], [1], num_slots=16).kv_slots(0).tolist()
     [9, 2, 5]
     """
-    tokens = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_indices]
+    qo_lens = _lengths("qo_lens", qo_lens)
+    tokens = [_row(f"token_indices[{b}]", t) for b, t in enumerate(_rows("token_indices", token_indices,
+                                                                         qo_lens.size, "qo_lens"))]
     kv_lens = np.array([t.size for t in tokens], dtype=np.int64)
-    qo_lens = _lengths("qo_lens", qo_lens, kv_lens.size)
+    num_slots = as_int("num_slots", num_slots, minimum=0)
     indices = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
     return BSRLayout(_indptr(qo_lens), _indptr(kv_lens), indices, np.minimum(kv_lens, 1), 1, num_slots)
 
@@ -197,20 +251,22 @@ def quest(page_tables, kv_lens, selected_pages, page_size: int, num_pages: int, 
     """
     kv_lens = _lengths("kv_lens", kv_lens)
     batch = kv_lens.size
-    if len(page_tables) != batch or len(selected_pages) != batch:
-        raise ValueError(f"page_tables ({len(page_tables)}) and selected_pages ({len(selected_pages)}) "
-                         f"need one entry per request ({batch})")
+    page_tables = _rows("page_tables", page_tables, batch, "kv_lens")
+    selected_pages = _rows("selected_pages", selected_pages, batch, "kv_lens")
+    page_size = as_int("page_size", page_size, minimum=1)
+    num_pages = as_int("num_pages", num_pages, minimum=0)
+    num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
     n_pages = indexing.ceil_div(kv_lens, page_size)
     last_len = _last_len(kv_lens, page_size)
     indices, kv_indptr, kv_last = [], [0], []
     for b in range(batch):
-        table = np.asarray(page_tables[b], dtype=np.int64).reshape(-1)
+        table = _row(f"page_tables[{b}]", page_tables[b]).astype(np.int64)  # scaled by num_kv_heads below
         if table.size < n_pages[b]:
             raise ValueError(f"page_tables[{b}] has {table.size} pages, kv_lens[{b}]={kv_lens[b]} needs {n_pages[b]}")
         if len(selected_pages[b]) != num_kv_heads:
             raise ValueError(f"selected_pages[{b}] has {len(selected_pages[b])} heads, expected {num_kv_heads}")
         for h in range(num_kv_heads):
-            sel = np.asarray(selected_pages[b][h], dtype=np.int64).reshape(-1)
+            sel = _row(f"selected_pages[{b}][{h}]", selected_pages[b][h]).astype(np.int64)
             if sel.size and (sel.min() < 0 or sel.max() >= n_pages[b]):
                 raise ValueError(f"selected_pages[{b}][{h}] has pages outside [0, {n_pages[b]})")
             if (np.diff(sel) <= 0).any():
@@ -263,16 +319,19 @@ def tree(parents, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRLa
     [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
     """
     kv_lens = _lengths("kv_lens", kv_lens)
-    if len(parents) != kv_lens.size:
-        raise ValueError(f"parents has {len(parents)} trees, kv_lens has {kv_lens.size}")
-    masks, qo_lens = [], []
-    for b, par in enumerate(parents):
-        par = np.asarray(par, dtype=np.int64).reshape(-1)
+    trees = [_row(f"parents[{b}]", par) for b, par in enumerate(_rows("parents", parents, kv_lens.size, "kv_lens"))]
+    for b, par in enumerate(trees):
         n = par.size
         if n > kv_lens[b]:
             raise ValueError(f"tree {b} has {n} nodes but kv_lens[{b}]={kv_lens[b]}")
         if ((par >= np.arange(n)) | (par < -1)).any():
             raise ValueError(f"parents[{b}] must satisfy -1 <= parents[i] < i, got {par.tolist()}")
+    qo_lens = np.array([par.size for par in trees], dtype=np.int64)
+    base = paged(qo_lens, page_tables, kv_lens, page_size, num_pages)
+    _check_total("the tree masks' sizes (nodes x kv_lens)", qo_lens * kv_lens)  # before the masks are made
+    masks = []
+    for b, par in enumerate(trees):
+        n = par.size
         prefix = kv_lens[b] - n
         mask = np.zeros((n, kv_lens[b]), dtype=bool)
         mask[:, :prefix] = True
@@ -282,8 +341,6 @@ def tree(parents, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRLa
                 mask[i, prefix + node] = True
                 node = par[node]
         masks.append(mask.reshape(-1))
-        qo_lens.append(n)
-    base = paged(qo_lens, page_tables, kv_lens, page_size, num_pages)
     return BSRLayout(base.qo_indptr, base.kv_indptr, base.kv_indices, base.kv_last_len, page_size, num_pages,
                      np.concatenate(masks) if masks else np.zeros(0, bool))
 
@@ -304,6 +361,13 @@ def shared_prefix(qo_lens, prefix_pages, prefix_len: int, suffix_page_tables, su
     ([1, 2], [32])
     """
     qo_lens = _lengths("qo_lens", qo_lens)
-    prefix = paged([int(qo_lens.sum())], [prefix_pages], [prefix_len], page_size, num_pages)
-    suffix = paged(qo_lens, suffix_page_tables, suffix_lens, page_size, num_pages)
+    prefix_pages = _row("prefix_pages", prefix_pages)
+    prefix_len = as_int("prefix_len", prefix_len, minimum=0)
+    page_size = as_int("page_size", page_size, minimum=1)
+    if prefix_pages.size < indexing.ceil_div(prefix_len, page_size):
+        raise ValueError(f"prefix_pages has {prefix_pages.size} pages, prefix_len={prefix_len} needs "
+                         f"{indexing.ceil_div(prefix_len, page_size)}")
+    suffix = _paged(qo_lens, suffix_page_tables, suffix_lens, page_size, num_pages, "suffix_page_tables",
+                    "suffix_lens")
+    prefix = paged([_check_total("qo_lens", qo_lens)], [prefix_pages], [prefix_len], page_size, num_pages)
     return Cascade((prefix, suffix))
