@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import operator
+
 from bsrattn import scheduler
 from bsrattn.backends import get_backend
 from bsrattn.layout import BSRLayout, Cascade
 from bsrattn.state import write_into
-from bsrattn.validation import AttentionSpec, make_spec, shape_of, spec_from_inputs
+from bsrattn.validation import FLOAT_DTYPES, AttentionSpec, check_array, dtype_name, make_spec, shape_of, \
+    spec_from_inputs
 from bsrattn.variant import Variant
 
 __all__ = ["attention", "BatchAttention", "merge_state", "merge_states"]
@@ -30,6 +33,11 @@ def _spec_args(spec) -> tuple:
     """``spec``'s fields after its layout: the arguments besides the layout that :func:`make_spec` built it from."""
     return (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.variant, spec.q_dtype, spec.kv_dtype,
             spec.kv_view)
+
+
+def _reusable(spec, variant) -> bool:
+    """Whether ``spec`` (checked on an earlier plan with the same arguments) holds for ``variant``."""
+    return spec.variant is variant or spec.variant == variant
 
 
 def _merge_levels(backend, states, variant, out, lse):
@@ -69,6 +77,18 @@ def attention(q, k, v, layout, *, variant=None, backend=None, kv_layout="NHD", r
     out or (out, lse)
         ``(out, lse)`` when ``return_lse``, else ``out``. ``out`` has ``q``'s dtype and array kind. A query that
         sees no key gets ``out = 0`` and ``lse = -inf``.
+
+    Raises
+    ------
+    TypeError
+        ``q``, ``k``, ``v``, ``out`` or ``lse`` not an array (a list, None), dtypes that are not supported or do
+        not match, a scale that is not a real number.
+    ValueError
+        Shapes that do not fit the layout or each other, a read-only ``out``/``lse``, a torch tensor on the
+        meta device.
+
+    These checks run before a tier is called. A tier adds its own: the devices it can use, and the torch tier
+    under the Triton interpreter refuses bfloat16 ``q``/``k``/``v`` (``TypeError``), which it computes wrongly.
 
     Examples
     --------
@@ -114,6 +134,7 @@ class BatchAttention:
     def __init__(self, backend=None):
         self.backend = get_backend(backend)
         self._layout = None
+        self._args: tuple = ()
         self._specs: list = []
         self._runners: list = []
 
@@ -126,16 +147,26 @@ class BatchAttention:
         of ``L_kv`` slots. ``fixed_split_size`` fixes the KV chunk size (batch invariance);
         ``disable_split_kv`` gives each query tile one item.
         Calling ``plan`` again refills the tier's buffers in place where it can (CUDA-graph replay).
+
+        Ints (heads, ``head_dim``, ``num_ctas``, ``fixed_split_size``) may be NumPy integers but not floats or
+        bools; ``q_dtype``/``kv_dtype`` may be names, torch dtypes or NumPy dtypes. ``num_ctas`` is at most
+        ``bsrattn.scheduler.MAX_CTAS`` (2**20).
         """
         variant = _PLAIN if variant is None else variant
         levels = _levels(layout)
+        args = (num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout)
+        # The very objects the previous step passed were checked then (identity, not equality: 4.0 == 4).
+        same = bool(self._args) and all(map(operator.is_, args, self._args))
         specs, runners = [], []
         for i, level in enumerate(levels):
-            args = (num_qo_heads, num_kv_heads, head_dim, _level_variant(layout, i, variant), q_dtype, kv_dtype,
-                    kv_layout)
-            checked = _spec_args(self._specs[i]) if i < len(self._specs) else None
-            # The previous step's arguments were checked; a level is a BSRLayout (see _levels).
-            spec = AttentionSpec(level, *checked) if checked == args else make_spec(level, *args)
+            level_variant = _level_variant(layout, i, variant)
+            previous_spec = self._specs[i] if same and i < len(self._specs) else None
+            # A level is a BSRLayout (see _levels).
+            if previous_spec is not None and _reusable(previous_spec, level_variant):
+                spec = AttentionSpec(level, *_spec_args(previous_spec))
+            else:
+                spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, level_variant, q_dtype, kv_dtype,
+                                 kv_layout)
             options = dict(self.backend.plan_options(spec))
             if num_ctas is not None:
                 options.update(num_ctas=num_ctas, min_split_size=1, kv_align=1)
@@ -145,7 +176,7 @@ class BatchAttention:
             previous = self._runners[i] if i < len(self._runners) else None
             runners.append(self.backend.make_runner(spec, work_plan, previous=previous))
             specs.append(spec)
-        self._layout, self._specs, self._runners = layout, specs, runners
+        self._layout, self._args, self._specs, self._runners = layout, args, specs, runners
 
     @property
     def work_plans(self) -> list:
@@ -169,6 +200,15 @@ class BatchAttention:
         return (o, s) if return_lse else o
 
 
+def _check_floats(**states):
+    """Raise unless each of ``states`` is an array of real floats (not ints, bools or complex numbers)."""
+    for name, x in states.items():
+        check_array(name, x)
+        if dtype_name(x) not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {dtype_name(x)}; attention states are real floats, one of "
+                            f"{FLOAT_DTYPES}")
+
+
 def _check_state(name_o, o, name_lse, lse):
     if len(shape_of(o)) < 2 or shape_of(lse) != shape_of(o)[:-1]:
         raise ValueError(f"{name_o} has shape {shape_of(o)} and {name_lse} {shape_of(lse)}: "
@@ -178,6 +218,10 @@ def _check_state(name_o, o, name_lse, lse):
 def merge_state(o_a, lse_a, o_b, lse_b, *, backend=None):
     """The ⊕ operator: merge two attention states over disjoint keys. See :mod:`bsrattn.reference.merge`.
 
+    ``o_a``, ``o_b`` ``[..., H, D]`` and ``lse_a``, ``lse_b`` ``[..., H]`` are arrays of real floats (float64,
+    float32, float16, bfloat16); anything else, an integer, bool or complex array included, raises
+    ``TypeError`` naming it, before any tier is called.
+
     Examples
     --------
     >>> import numpy as np, bsrattn as ba
@@ -185,6 +229,7 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, backend=None):
     >>> o.tolist(), np.round(s, 4).tolist()
     ([[[2.0, 2.0]]], [[0.6931]])
     """
+    _check_floats(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
     _check_state("o_a", o_a, "lse_a", lse_a)
     _check_state("o_b", o_b, "lse_b", lse_b)
     if shape_of(o_a) != shape_of(o_b):
@@ -196,6 +241,7 @@ def merge_states(o, lse, *, backend=None):
     """Fold ``o [n, S, H, D]``, ``lse [n, S, H]`` over ``S`` in index order. See :mod:`bsrattn.reference.merge`.
 
     The fold is ``((s_0 ⊕ s_1) ⊕ s_2) ⊕ …``, always in that order, on every tier (see :func:`merge_state`).
+    ``o`` and ``lse`` must be arrays of real floats, as in :func:`merge_state`.
 
     Examples
     --------
@@ -205,6 +251,7 @@ def merge_states(o, lse, *, backend=None):
     >>> out.tolist(), bool(np.isclose(lse[0, 0], np.log(3)))
     ([[[3.0, 3.0]]], True)
     """
+    _check_floats(o=o, lse=lse)
     if len(shape_of(o)) != 4 or shape_of(lse) != shape_of(o)[:3]:
         raise ValueError(f"merge_states needs o [n, S, H, D] and lse [n, S, H]; got {shape_of(o)} and {shape_of(lse)}")
     if shape_of(o)[1] == 0:

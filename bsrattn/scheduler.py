@@ -17,10 +17,15 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from bsrattn.compiled import Compiled
+from bsrattn.layout import as_index_array, as_int
 
 __all__ = ["WorkPlan", "plan", "round_robin", "makespan", "simulate", "SimulationResult", "DISTRIBUTIONS"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+MAX_CTAS = 2**20
+"""The most CTAs per KV head a plan may have. A launch is ``num_ctas x num_kv_heads`` programs and a GPU runs
+a few thousand at once (an H200 has 132 SMs), so more CTAs only add empty ones; the bound also keeps a bad
+value from allocating the plan's ``[num_ctas + 1]`` offsets and its load heap."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,24 +102,31 @@ class WorkPlan:
 
 
 def _check_lengths(qo_lens, kv_lens):
-    qo = np.asarray(qo_lens)
-    kv = np.asarray(kv_lens)
+    """``[R]`` lengths as int32 arrays: integers only (floats are refused, even ``2.0``), in ``0..2**31-1``, as a
+    plan's arrays are int32."""
+    qo = as_index_array("qo_lens", qo_lens)
+    kv = as_index_array("kv_lens", kv_lens)
     for name, arr in (("qo_lens", qo), ("kv_lens", kv)):
-        if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
-            raise TypeError(f"{name} must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
+        if arr.ndim != 1:
+            raise ValueError(f"{name} must be a 1-D sequence of ints, got shape {arr.shape}")
         if (arr < 0).any():
-            raise ValueError(f"{name} must be >= 0, got {arr.tolist()[:8]}")
-        if (arr > _INT32_MAX).any():
-            raise ValueError(f"{name} must fit in int32 (a plan's arrays are int32), got {arr.max()}")
+            i = int(np.argmax(arr < 0))
+            raise ValueError(f"{name} must be >= 0, got {name}[{i}]={arr[i]}")
     if qo.shape != kv.shape:
         raise ValueError(f"qo_lens {qo.shape} and kv_lens {kv.shape} must have the same shape")
     return qo.astype(np.int32, copy=False), kv.astype(np.int32, copy=False)
 
 
-def _check_positive(**values):
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _check_options(num_ctas, tile_q, min_split_size=1, kv_align=1, fixed_split_size=None):
+    """Raise unless ``num_ctas`` is an int in ``1..MAX_CTAS`` and the others ints in ``1..2**31-1`` (or
+    ``fixed_split_size`` None): Python or NumPy integers, never bools or floats."""
+    if as_int("num_ctas", num_ctas, minimum=1) > MAX_CTAS:
+        raise ValueError(f"num_ctas must be <= {MAX_CTAS} (2**20), got {num_ctas}: a launch runs num_ctas x "
+                         f"num_kv_heads programs and a GPU a few thousand at once, so the rest would be empty")
+    for name, value in (("tile_q", tile_q), ("min_split_size", min_split_size), ("kv_align", kv_align),
+                        ("fixed_split_size", fixed_split_size)):
+        if value is not None and as_int(name, value, minimum=1) > _INT32_MAX:
+            raise ValueError(f"{name} must be <= {_INT32_MAX}, got {value}: a plan's bounds are int32")
 
 
 def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_align, balance):
@@ -286,9 +298,10 @@ def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: 
     Parameters
     ----------
     qo_lens, kv_lens : ``[R]`` ints
-        Query rows and KV slots of each block row.
+        Query rows and KV slots of each block row, in ``0..2**31-1``. Integers only: floats are refused,
+        even integral ones like ``2.0``.
     num_ctas : int
-        CTAs to balance over (per KV head).
+        CTAs to balance over (per KV head), ``1..MAX_CTAS`` (2**20).
     tile_q : int
         Query rows per tile, ``T_q``.
     fixed_split_size : int, optional
@@ -298,6 +311,9 @@ def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: 
         One item per query tile, whole KV.
     min_split_size, kv_align : int
         Lower bound on ``L_kv`` and the multiple it is rounded up to (a kernel's KV tile).
+
+    The int options take Python or NumPy integers in ``1..2**31-1`` (``num_ctas`` at most ``MAX_CTAS``);
+    anything else raises ``TypeError`` or ``ValueError`` naming the argument.
 
     Returns
     -------
@@ -319,9 +335,7 @@ def _plan_valid(qo, kv, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int
                 disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1) -> WorkPlan:
     """:func:`plan` for lengths known to be valid (a :class:`~bsrattn.layout.BSRLayout`'s ``qo_lens`` and
     ``kv_lens``, int32 and checked when the layout was built): only the options are checked."""
-    _check_positive(num_ctas=num_ctas, tile_q=tile_q, min_split_size=min_split_size, kv_align=kv_align)
-    if fixed_split_size is not None:
-        _check_positive(fixed_split_size=fixed_split_size)
+    _check_options(num_ctas, tile_q, min_split_size, kv_align, fixed_split_size)
     return _make_plan(qo, kv, num_ctas, tile_q, _split(fixed_split_size, disable_split_kv), min_split_size,
                       kv_align, True)
 
@@ -337,7 +351,7 @@ def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan
     [132.0, 11.0]
     """
     qo, kv = _check_lengths(qo_lens, kv_lens)
-    _check_positive(num_ctas=num_ctas, tile_q=tile_q)
+    _check_options(num_ctas, tile_q)
     return _make_plan(qo, kv, num_ctas, tile_q, -1, 1, 1, False)
 
 

@@ -1,15 +1,20 @@
 """Input checks shared by every tier: each entry point validates here before it launches anything.
 
 Works on any array kind through ``.shape`` and ``.dtype`` (NumPy, PyTorch, Numba device arrays), so it
-imports none of them.
+imports neither torch nor numba.
+
+Numbers follow one rule everywhere: an int argument takes a Python or NumPy integer (never a bool, never a
+float, not even ``2.0``); a float argument takes any Python or NumPy real number (never a bool).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bsrattn.layout import BSRLayout
-from bsrattn.variant import Variant
+import numpy as np
+
+from bsrattn.layout import BSRLayout, as_int
+from bsrattn.variant import Variant, as_real
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -17,13 +22,39 @@ KV_LAYOUTS = ("NHD", "HND")
 
 
 def dtype_name(x) -> str:
-    """``'float16'``, ``'bfloat16'``, ``'float8_e4m3fn'``…, for NumPy (with ml_dtypes), torch or numba arrays."""
-    name = str(getattr(x, "dtype", x))
-    return name.removeprefix("torch.")
+    """``'float16'``, ``'bfloat16'``, ``'float8_e4m3fn'``…: the dtype of a NumPy (with ml_dtypes), torch or
+    numba array, or a dtype itself (a torch dtype, a NumPy dtype or scalar type such as ``np.float16`` or
+    ``ml_dtypes.bfloat16``, or a name).
+
+    Examples
+    --------
+    >>> import ml_dtypes, numpy as np
+    >>> dtype_name(np.zeros(2, np.float16)), dtype_name(np.float16), dtype_name(ml_dtypes.bfloat16)
+    ('float16', 'float16', 'bfloat16')
+    """
+    if isinstance(x, type):  # a scalar type; its ``dtype`` attribute is a descriptor, not a dtype
+        x = np.dtype(x)
+    return str(getattr(x, "dtype", x)).removeprefix("torch.")
 
 
 def shape_of(x) -> tuple:
     return tuple(int(s) for s in x.shape)
+
+
+def check_array(name: str, x) -> None:
+    """Raise unless ``x`` is an array with data: anything with ``.shape`` and ``.dtype`` (NumPy, a torch
+    tensor, a Numba device array…) that is not a torch tensor on the meta device."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array (NumPy, torch tensor, or a device array), got {type(x).__name__}")
+    if getattr(x, "is_meta", False):
+        raise ValueError(f"{name} is on meta, a device that holds no data; pass a tensor with values")
+
+
+def check_writable(name: str, x) -> None:
+    """Raise unless ``x`` can be written into (a NumPy array may be read-only)."""
+    check_array(name, x)
+    if not getattr(getattr(x, "flags", None), "writeable", True):
+        raise ValueError(f"{name} is read-only (a NumPy array with flags.writeable False); pass a writable buffer")
 
 
 @dataclass(frozen=True)
@@ -68,7 +99,14 @@ class AttentionSpec:
                 "NHD3": (lay.num_blocks, self.num_kv_heads, self.head_dim)}[view or self.kv_view]
 
     def check_run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
-        """Raise unless ``q``, ``k``, ``v`` (and ``out``/``lse``) match this spec."""
+        """Raise unless ``q``, ``k``, ``v`` (and ``out``/``lse``, writable) match this spec."""
+        check_array("q", q)
+        check_array("k", k)
+        check_array("v", v)
+        if out is not None:
+            check_writable("out", out)
+        if lse is not None:
+            check_writable("lse", lse)
         want_q = (self.layout.nnz_qo, self.num_qo_heads, self.head_dim)
         if shape_of(q) != want_q:
             raise ValueError(f"q has shape {shape_of(q)}, the plan expects [nnz_qo, num_qo_heads, head_dim]={want_q}")
@@ -111,7 +149,7 @@ def _check_dtypes(q, k, v, k_scale, v_scale):
             continue
         if kd not in FP8_DTYPES:
             raise ValueError(f"{name} applies to fp8 KV only; k/v have dtype {kd}")
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        if not as_real(name, scale) > 0:
             raise ValueError(f"{name} must be a positive float, got {scale!r}")
 
 
@@ -132,31 +170,44 @@ def _kv_view(k, kv_layout, block_size):
 
 def make_spec(layout, num_qo_heads, num_kv_heads, head_dim, variant=None, q_dtype=None, kv_dtype=None,
               kv_view="NHD") -> AttentionSpec:
-    """Validate plan-time arguments and return the spec ``run`` is checked against."""
+    """Validate plan-time arguments and return the spec ``run`` is checked against.
+
+    The head counts and ``head_dim`` are ints (NumPy integers too; see the module docstring). ``q_dtype`` and
+    ``kv_dtype`` may be names (``'float16'``), torch dtypes or NumPy dtypes (``np.float16``,
+    ``ml_dtypes.bfloat16``); the spec holds the name.
+    """
     if not isinstance(layout, BSRLayout):
         raise TypeError(f"layout must be a BSRLayout, got {type(layout).__name__}")
     variant = Variant() if variant is None else variant
     if not isinstance(variant, Variant):
         raise TypeError(f"variant must be a bsrattn.Variant, got {type(variant).__name__}")
-    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    num_qo_heads = as_int("num_qo_heads", num_qo_heads, minimum=1)
+    num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+    head_dim = as_int("head_dim", head_dim, minimum=1)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     variant.check_heads(num_qo_heads)
-    if q_dtype is not None and q_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"q_dtype {q_dtype!r} is not supported; choose from {FLOAT_DTYPES}")
-    if kv_dtype is not None and kv_dtype not in FLOAT_DTYPES + FP8_DTYPES:
-        raise TypeError(f"kv_dtype {kv_dtype!r} is not supported; choose from {FLOAT_DTYPES + FP8_DTYPES}")
+    q_dtype = None if q_dtype is None else _dtype_arg("q_dtype", q_dtype, FLOAT_DTYPES)
+    kv_dtype = None if kv_dtype is None else _dtype_arg("kv_dtype", kv_dtype, FLOAT_DTYPES + FP8_DTYPES)
     if kv_view not in ("NHD", "HND", "NHD3"):
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_view!r}")
     return AttentionSpec(layout, num_qo_heads, num_kv_heads, head_dim, variant, q_dtype, kv_dtype, kv_view)
+
+
+def _dtype_arg(name, dtype, supported) -> str:
+    resolved = dtype_name(dtype)
+    if resolved not in supported:
+        raise TypeError(f"{name} {dtype!r} is not supported; choose from {supported}")
+    return resolved
 
 
 def spec_from_inputs(q, k, v, layout, variant=None, kv_layout="NHD", **run_kwargs) -> AttentionSpec:
     """Validate a one-shot call's inputs; the spec is read off the arrays."""
     if not isinstance(layout, BSRLayout):
         raise TypeError(f"layout must be a BSRLayout, got {type(layout).__name__}")
+    check_array("q", q)
+    check_array("k", k)
+    check_array("v", v)
     if len(shape_of(q)) != 3:
         raise ValueError(f"q must be [nnz_qo, num_qo_heads, head_dim], got shape {shape_of(q)}")
     view = _kv_view(k, kv_layout, layout.block_size)

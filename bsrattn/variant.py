@@ -18,6 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from bsrattn import indexing
+from bsrattn.layout import as_int
+
+
+def as_real(name: str, value) -> float:
+    """``value`` as a float: a Python or NumPy integer or float, never a bool, a string or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,9 @@ class Variant:
     sigmoid_bias : float, optional
         FlashSigmoid: weights ``sigmoid(score + bias)`` with no normalisation; ``lse`` is then undefined.
 
+    Numbers may be Python or NumPy scalars; anything else (a string, a list, ``None`` where a number is
+    required, a bool) raises ``TypeError`` naming the field, and a value out of range ``ValueError``.
+
     Examples
     --------
     >>> import bsrattn as ba
@@ -57,30 +68,36 @@ class Variant:
     def __post_init__(self):
         set_ = object.__setattr__
         if self.sm_scale is not None:
-            if not math.isfinite(float(self.sm_scale)) or float(self.sm_scale) <= 0:
+            scale = as_real("sm_scale", self.sm_scale)
+            if not math.isfinite(scale) or scale <= 0:
                 raise ValueError(f"sm_scale must be a positive finite float, got {self.sm_scale}")
-            set_(self, "sm_scale", float(self.sm_scale))
+            set_(self, "sm_scale", scale)
         if not isinstance(self.causal, (bool, np.bool_)):
-            raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
+            raise TypeError(f"causal must be a bool, got {self.causal!r}")
         set_(self, "causal", bool(self.causal))
-        if isinstance(self.window_left, bool) or not isinstance(self.window_left, (int, np.integer)):
-            raise TypeError(f"window_left must be an int, got {type(self.window_left).__name__}")
-        if self.window_left < -1:
-            raise ValueError(f"window_left must be -1 (off) or >= 0, got {self.window_left}")
-        set_(self, "window_left", int(self.window_left))
-        cap = float(self.logits_soft_cap)
+        window = as_int("window_left", self.window_left)
+        if window < -1:
+            raise ValueError(f"window_left must be -1 (off) or >= 0, got {window}")
+        set_(self, "window_left", window)
+        cap = as_real("logits_soft_cap", self.logits_soft_cap)
         if not math.isfinite(cap) or cap < 0:
-            raise ValueError(f"logits_soft_cap must be >= 0 and finite, got {self.logits_soft_cap}")
+            raise ValueError(f"logits_soft_cap must be >= 0 and finite (0 disables it), got {self.logits_soft_cap}")
         set_(self, "logits_soft_cap", cap)
         if self.alibi_slopes is not None:
-            slopes = np.asarray(self.alibi_slopes, dtype=np.float64)
+            try:
+                slopes = np.asarray(self.alibi_slopes)
+            except ValueError:  # a ragged nested sequence
+                slopes = None
+            if slopes is None or slopes.dtype.kind not in "iuf":
+                raise TypeError(f"alibi_slopes must be a sequence of real numbers, got {self.alibi_slopes!r}")
             if slopes.ndim != 1 or not np.isfinite(slopes).all():
                 raise ValueError(f"alibi_slopes must be a 1-D finite [num_qo_heads] sequence, got shape {slopes.shape}")
             set_(self, "alibi_slopes", tuple(float(s) for s in slopes))
         if self.sigmoid_bias is not None:
-            if not math.isfinite(float(self.sigmoid_bias)):
+            bias = as_real("sigmoid_bias", self.sigmoid_bias)
+            if not math.isfinite(bias):
                 raise ValueError(f"sigmoid_bias must be finite, got {self.sigmoid_bias}")
-            set_(self, "sigmoid_bias", float(self.sigmoid_bias))
+            set_(self, "sigmoid_bias", bias)
 
     @property
     def use_sigmoid(self) -> bool:

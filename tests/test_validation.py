@@ -179,10 +179,10 @@ CASES = {
     "plan with a bad head ratio": (lambda: ba.BatchAttention(backend=PROBE).plan(LAYOUT, 6, 4, 8), ValueError,
                                    r"num_qo_heads=6 must be a multiple of num_kv_heads=4"),
     "plan with head_dim 0": (lambda: ba.BatchAttention(backend=PROBE).plan(LAYOUT, 4, 2, 0), ValueError,
-                             r"head_dim must be a positive int, got 0"),
+                             r"head_dim must be >= 1, got 0"),
     "plan with an unsupported q_dtype": (lambda: planned(q_dtype="int8"), TypeError,
                                          r"q_dtype 'int8' is not supported"),
-    "plan with num_ctas 0": (lambda: planned(num_ctas=0), ValueError, r"num_ctas must be a positive int, got 0"),
+    "plan with num_ctas 0": (lambda: planned(num_ctas=0), ValueError, r"num_ctas must be >= 1, got 0"),
     "run q not matching plan": (lambda: planned().run(*arrays(nnz=4)), ValueError,
                                 r"q has shape \(4, 4, 8\), the plan expects"),
     "run k not matching plan": (lambda: planned().run(*arrays(hkv=1, hq=4)), ValueError,
@@ -210,7 +210,7 @@ CASES = {
                                               r"qo_lens \(2,\) and kv_lens \(1,\) must have the same shape"),
     "scheduler negative lengths": (lambda: scheduler.plan([1], [-4], num_ctas=2), ValueError, r"kv_lens must be >= 0"),
     "scheduler fixed_split_size 0": (lambda: scheduler.plan([1], [4], num_ctas=2, fixed_split_size=0), ValueError,
-                                     r"fixed_split_size must be a positive int, got 0"),
+                                     r"fixed_split_size must be >= 1, got 0"),
 }
 
 
