@@ -4,7 +4,8 @@ A call takes NumPy arrays (copied to the GPU for the call, results copied back) 
 place: Numba's own, real or simulated, and anything with ``__cuda_array_interface__`` (a torch CUDA tensor,
 a CuPy array). Results come back in the kind of the array they follow (``q`` for attention, ``o_a`` for a
 merge): NumPy, a Numba device array, or a torch tensor when a torch tensor came in. bfloat16 and fp8 travel
-as their raw bits (:mod:`.formats`); only NumPy (ml_dtypes) arrays can carry them here.
+as their raw bits (:mod:`.formats`); only NumPy (ml_dtypes) arrays can carry them here. A torch tensor on the
+CPU is neither kind, and is refused (it would come back as NumPy).
 """
 
 from __future__ import annotations
@@ -20,10 +21,18 @@ def is_device(x) -> bool:
     return bool(getattr(x, "__cuda_ndarray__", False)) or hasattr(x, "__cuda_array_interface__")
 
 
+def _check_host(x, name: str) -> None:
+    """Raise unless the host array ``x`` is NumPy's: a CPU torch tensor would come back as NumPy."""
+    if type(x).__module__.split(".")[0] == "torch":
+        raise TypeError(f"{name} is a torch tensor on {x.device}; the numba tier takes NumPy arrays or arrays on "
+                        f"the GPU (a CUDA tensor, a Numba device array): pass {name}.numpy() or a CUDA tensor")
+
+
 def device_array(x, name: str):
     """``x`` as a C-contiguous Numba device array of its storage dtype: copied if on the host, else a view."""
     fmt = format_of(x)
     if not is_device(x):
+        _check_host(x, name)
         return cuda.to_device(np.ascontiguousarray(np.asarray(x)).view(storage_dtype(fmt)))
     if fmt in BITS:
         raise TypeError(f"the numba tier does not support {fmt} device arrays ({name}): Numba has no {fmt} type; "
@@ -44,6 +53,8 @@ def target(buffer, shape, fmt: str, name: str):
     """Where a kernel writes a result: the caller's device ``buffer`` itself, or a new device array."""
     if buffer is not None and is_device(buffer):
         return device_array(buffer, name)
+    if buffer is not None:
+        _check_host(buffer, name)
     return empty(shape, fmt)
 
 
