@@ -51,7 +51,7 @@ def _runs(slots: np.ndarray) -> list:
 
 
 def _block_boxes(lay: BSRLayout) -> list:
-    """``(x0, y0, width, height)`` of every stored block: row ``r``'s ``kv_indices[j]``, ``Bc`` wide, ``qo_len`` tall."""
+    """``(x0, y0, width, height)`` of every stored block: row ``r``'s ``kv_indices[j]``, Bc wide, ``qo_len`` tall."""
     boxes = []
     for r in range(lay.num_rows):
         qs, qe = int(lay.qo_indptr[r]), int(lay.qo_indptr[r + 1])
@@ -204,7 +204,8 @@ def plan(work_plan, *, ax=None, title=None):
         lo, hi = work_plan.cta_indptr[c], work_plan.cta_indptr[c + 1]
         start[lo:hi] = np.concatenate([[0.0], np.cumsum(cost[lo:hi])[:-1]])
     colors = [PALETTE[int(r) % len(PALETTE)] for r in work_plan.item_row]
-    bars = axis.barh(cta.tolist(), cost.tolist(), left=start.tolist(), height=0.8, color=colors, edgecolor="white", linewidth=0.6)
+    bars = axis.barh(cta.tolist(), cost.tolist(), left=start.tolist(), height=0.8, color=colors, edgecolor="white",
+                     linewidth=0.6)
     split = work_plan.item_partial >= 0
     for bar, is_split in zip(bars, split):
         if is_split:

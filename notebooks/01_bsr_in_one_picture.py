@@ -49,7 +49,7 @@ import numpy as np
 
 import bsrattn as ba
 import tiers
-from pictures import draw_layout, draw_mask
+from bsrattn import draw
 
 # %% [markdown]
 # ## The idea: three requests in a paged cache
@@ -87,16 +87,18 @@ print("dense path from slot 0:", ba.indexing.dense_slot(0, i))
 # %% [markdown]
 # ## A picture
 #
-# The matrix itself: rows are the six query rows (coloured by request), columns the 40 pool slots, under a
-# causal mask. Shaded tiles are the ones a kernel must load. At $B_c = 4$ (the page) every loaded tile is
-# needed; at $B_c = 16$, a tile size a tensor core would like, a kernel that reads aligned tiles straight
-# from the pool drags in whole 16-slot blocks for a few keys each.
+# The matrix itself (`bsrattn.draw.layout`): rows are the six query rows, coloured by request, columns the 40
+# pool slots, under a causal mask. Left, the blocks as stored: one per page of each request, $B_c = 4$ slots
+# wide and as tall as the request's queries; every slot a block holds is needed, bar the tail of a last page.
+# Right, what a kernel that reads aligned 16-slot tiles straight from the pool must load — $B_c = 16$ is a tile
+# width a tensor core likes — whole tiles around a few keys each.
 
 # %%
 variant = ba.Variant(causal=True)
 fig, axes = plt.subplots(1, 2, figsize=(12, 2.8))
-draw_layout(axes[0], layout, 1, 4, variant, "stored as BSR with (Br, Bc) = (1, 4)")
-draw_layout(axes[1], layout, 1, 16, variant, "read in aligned (1, 16) tiles")
+draw.layout(layout, variant=variant, ax=axes[0], title="stored as BSR: a block per page, Bc = 4")
+draw.layout(layout, variant=variant, tiles=(1, 16), tile_grid="pool", ax=axes[1],
+            title="read in aligned (1, 16) tiles from the pool")
 fig.tight_layout()
 plt.show()
 
@@ -160,27 +162,19 @@ for seq_len, budget in [(4096, 64), (32768, 64), (32768, 512)]:
         amp = row.read_amplification(block)
         print(f"{seq_len:8d} {budget:7d} {block:6d} {amp.needed:7d} {amp.read:7d} {amp.ratio:13.1f}x")
 
+# %% [markdown]
+# Left, the ratio against the kernel's block size for four budgets (`bsrattn.draw.read_amplification`; the dotted
+# line is the page, where a gather reads exactly what is needed). Right, one small decode row: its six pages in
+# colour, the 128-slot blocks an aligned kernel reads around them in grey.
+
 # %%
 blocks = 2 ** np.arange(0, 10)
 fig, axes = plt.subplots(1, 2, figsize=(12, 3.2))
 for budget in (64, 128, 256, 512):
-    row = quest_row(32768, budget)
-    axes[0].plot(blocks, [row.read_amplification(int(b)).ratio for b in blocks], marker="o", label=f"budget {budget}")
-axes[0].set_xscale("log", base=2)
-axes[0].set_yscale("log", base=2)
-axes[0].axvline(16, color="0.6", linestyle=":")
-axes[0].set_xlabel("kernel block size B (slots)")
-axes[0].set_ylabel("slots read / slots needed")
+    draw.read_amplification(quest_row(32768, budget), blocks, ax=axes[0], label=f"budget {budget}")
 axes[0].set_title("read amplification, seq_len 32768, pages of 16")
-axes[0].legend()
-
-small = quest_row(2048, 6)
-needed = np.zeros(small.num_slots, dtype=bool)
-needed[small.kv_slots(0)] = True
-read_128 = np.repeat(needed.reshape(-1, 128).any(axis=1), 128)
-draw_mask(axes[1], np.stack([needed, read_128]), title="6 pages of 16 needed (top), 128-slot blocks read (bottom)")
-axes[1].set_yticks([0, 1], ["needed", "read at B=128"])
-axes[1].set_ylabel("")
+draw.layout(quest_row(2048, 6), tiles=(1, 128), tile_grid="pool", ax=axes[1],
+            title="6 pages of 16 needed, the 128-slot blocks read")
 fig.tight_layout()
 plt.show()
 

@@ -40,7 +40,7 @@ import numpy as np
 
 import bsrattn as ba
 import tiers
-from pictures import draw_layout
+from bsrattn import draw
 
 # %% [markdown]
 # ## The idea: a decode step over four requests
@@ -72,8 +72,8 @@ for r in range(layout.num_rows):
 # %%
 contiguous = ba.layouts.ragged([1, 1, 1, 1], kv_lens)
 fig, axes = plt.subplots(1, 2, figsize=(12, 2.4), gridspec_kw={"width_ratios": [128, 79]})
-draw_layout(axes[0], layout, 1, page_size, title=f"paged: (Br, Bc) = (1, {page_size}), scattered pages")
-draw_layout(axes[1], contiguous, 1, 1, title="ragged: the same keys, contiguous")
+draw.layout(layout, ax=axes[0], title=f"paged: Bc = {page_size}, scattered pages")
+draw.layout(contiguous, ax=axes[1], title="ragged: the same keys, contiguous, Bc = 1")
 fig.tight_layout()
 plt.show()
 

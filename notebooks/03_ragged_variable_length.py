@@ -42,7 +42,7 @@ import numpy as np
 
 import bsrattn as ba
 import tiers
-from pictures import draw_layout, draw_row_tiles
+from bsrattn import draw
 
 # %% [markdown]
 # ## The idea: a prefill, an append and a decode in one batch
@@ -61,15 +61,16 @@ for r in range(layout.num_rows):
 # %% [markdown]
 # ## A picture
 #
-# Left: the causal mask element by element. Right: the tiles a kernel computes, 4 queries by 4 keys, each
-# starting at its own request's first query and key. Tiles on a diagonal are partly masked; tiles above it
-# hold no visible pair and are skipped.
+# Left: the causal mask element by element, over the stored blocks — one slot wide ($B_c = 1$), as tall as the
+# request. Right: tiles of 4 queries by 4 keys, each starting at its own request's first query and key, as a
+# kernel tiles a request. Tiles on a diagonal are partly masked; the one above it holds no visible pair, and a
+# causal kernel never loads it (counted at full size at the end of this notebook).
 
 # %%
 causal = ba.Variant(causal=True)
 fig, axes = plt.subplots(1, 2, figsize=(12, 3.4))
-draw_layout(axes[0], layout, 1, 1, causal, "causal, element by element")
-draw_row_tiles(axes[1], layout, 4, 4, causal, "the (4 queries x 4 keys) tiles computed")
+draw.layout(layout, variant=causal, ax=axes[0], title="causal, element by element, Bc = 1")
+draw.layout(layout, variant=causal, tiles=(4, 4), ax=axes[1], title="4 queries x 4 keys tiles with a visible pair")
 fig.tight_layout()
 plt.show()
 
@@ -137,13 +138,94 @@ for name, lens in batches.items():
     print(f"{name:>22}: packed {packed[-1] / 1e6:6.1f} M pairs, padded {padded[-1] / 1e6:6.1f} M "
           f"({padded[-1] / packed[-1]:.2f}x)")
 
-x = np.arange(len(names))
 fig, ax = plt.subplots(figsize=(8, 3))
-ax.bar(x - 0.2, np.array(packed) / 1e6, width=0.4, label="ragged (packed)")
-ax.bar(x + 0.2, np.array(padded) / 1e6, width=0.4, label="padded to the longest")
-ax.set_xticks(x, names)
-ax.set_ylabel("causal score pairs (millions)")
-ax.set_title("16-request causal prefill")
-ax.legend()
+bars = ax.bar(names, np.array(padded) / np.array(packed), color="C1", width=0.5)
+ax.bar_label(bars, fmt="%.2fx")
+ax.axhline(1.0, color="black", linewidth=0.8, label="ragged (packed) = 1")
+ax.set_ylabel("padded pairs / packed pairs")
+ax.set_title("16-request causal prefill: the work padding adds")
+ax.legend(loc="upper left")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## What it costs: the tiles a causal kernel never loads
+#
+# A masked tile still costs its loads and its arithmetic; a tile outside the mask need not be touched at all. The
+# torch tier's kernel bounds each query tile's KV loop by the variant (block skipping, in
+# `bsrattn/torch_cuda/executor.py`): causal masking ends it after the tile's last query position, and a sliding
+# window starts it at the tile's first query position minus `window_left`. Here is that rule applied to the
+# plan of a prefill of three requests (2048, 1024 and 512 tokens), with the torch tier's prefill tiles: `BLOCK_M`
+# rows of (query row, query head) pairs — 128, that is 32 query rows of a 4-head GQA group — by `BLOCK_N` = 64
+# keys.
+
+# %%
+from bsrattn.torch_cuda import config as torch_config
+
+group = 4                                                              # 32 query heads over 8 KV heads
+block_m = torch_config.PREFILL_BLOCK_M                                 # (query row, head) rows of a tile
+block_n = torch_config.tiles(block_m, 128, "bfloat16").block_n         # keys of a tile
+prefill = ba.layouts.ragged([2048, 1024, 512], [2048, 1024, 512])
+
+
+def kv_loops(work_plan, layout, variant):
+    """The KV loop of every query tile of every item: ``(block row, first query, lo, hi, kv_start, kv_end)``.
+
+    ``lo:hi`` is the range the kernel walks, ``BLOCK_N`` keys at a time from ``lo``; ``kv_start:kv_end`` the item's.
+    """
+    loops = []
+    for w in range(work_plan.num_items):
+        r = int(work_plan.item_row[w])
+        qo_first, qo_len, kv_len = int(layout.qo_indptr[r]), int(layout.qo_lens[r]), int(layout.kv_lens[r])
+        qo_start, qo_end = int(work_plan.item_qo_start[w]), int(work_plan.item_qo_end[w])
+        kv_start, kv_end = int(work_plan.item_kv_start[w]), int(work_plan.item_kv_end[w])
+        n_rows = (qo_end - qo_start) * group
+        for m0 in range(0, n_rows, block_m):
+            lo, hi = kv_start, kv_end
+            if variant.causal:
+                last = qo_start - qo_first + (min(m0 + block_m, n_rows) - 1) // group
+                hi = min(hi, ba.indexing.query_position(qo_len, kv_len, last) + 1)
+            if variant.window_left >= 0:
+                first = qo_start - qo_first + m0 // group
+                lo = max(lo, ba.indexing.query_position(qo_len, kv_len, first) - variant.window_left)
+            loops.append((r, qo_start - qo_first + m0 // group, lo, max(lo, hi), kv_start, kv_end))
+    return loops
+
+
+skipping = {"causal": ba.Variant(causal=True), "causal, window 256": ba.Variant(causal=True, window_left=256)}
+work_plan = ba.scheduler.plan(prefill.qo_lens, prefill.kv_lens, tile_q=block_m // group,
+                              num_ctas=132 * torch_config.CTAS_PER_SM["prefill"] // 8)
+loops = {}
+for label, variant in skipping.items():
+    loops[label] = kv_loops(work_plan, prefill, variant)
+    loaded = sum(ba.indexing.ceil_div(hi - lo, block_n) for _, _, lo, hi, _, _ in loops[label])
+    full = sum(ba.indexing.ceil_div(end - start, block_n) for *_, start, end in loops[label])
+    # The skip is exact: no query of a tile sees any key outside the range its loop walks.
+    mask = prefill.to_dense_mask(variant)
+    for r, q0, lo, hi, start, end in loops[label]:
+        rows = mask[prefill.qo_indptr[r] + q0:prefill.qo_indptr[r] + q0 + block_m // group]
+        keys = prefill.kv_slots(r)
+        assert not rows[:, keys[start:lo]].any() and not rows[:, keys[hi:end]].any()
+    print(f"{label:>19}: {loaded:5d} of {full:5d} KV tile loads ({loaded / full:.0%}), "
+          f"over {len(loops[label])} query tiles")
+
+# %% [markdown]
+# Each query tile of the 2048-token request as a row, the KV tiles its loop loads as boxes: the causal triangle,
+# and the window's band. Everything white is never read.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+for ax, (label, request_loops) in zip(axes, loops.items()):
+    rows = [(q0, lo, hi) for r, q0, lo, hi, _, _ in request_loops if r == 0]
+    for q0, lo, hi in rows:
+        starts = np.arange(lo, hi, block_n)
+        ax.broken_barh([(x, block_n) for x in starts], (q0, block_m // group), facecolors="C0", edgecolors="white",
+                       linewidth=0.3)
+    loaded = sum(ba.indexing.ceil_div(hi - lo, block_n) for _, lo, hi in rows)
+    ax.set_xlim(0, int(prefill.kv_lens[0]))
+    ax.set_ylim(int(prefill.qo_lens[0]), 0)
+    ax.set_xlabel("key position")
+    ax.set_title(f"{label}: {loaded} of {len(rows) * int(prefill.kv_lens[0]) // block_n} tiles loaded")
+axes[0].set_ylabel(f"query position ({block_m // group} per tile)")
 fig.tight_layout()
 plt.show()

@@ -43,7 +43,7 @@ import numpy as np
 
 import bsrattn as ba
 import tiers
-from pictures import draw_layout
+from bsrattn import draw
 
 # %% [markdown]
 # ## The idea: four decoding requests behind one 24-token prefix
@@ -70,11 +70,8 @@ print("flattened:   ", flat, " (each request: prefix slots, then suffix slots)")
 
 # %%
 fig, axes = plt.subplots(1, 3, figsize=(14, 2.6))
-draw_layout(axes[0], prefix_level, 4, page_size, title="level 0: prefix, (Br, Bc) = (4, 8)")
-draw_layout(axes[1], suffix_level, 1, page_size, title="level 1: suffixes, (Br, Bc) = (1, 8)")
-draw_layout(axes[2], flat, 1, page_size, title="flattened: prefix read per request")
-for ax in axes:
-    ax.set_yticks(range(4))
+draw.layout(cascade, ax=axes[:2], title=["level 0: prefix, (Br, Bc) = (4, 8)", "level 1: suffixes, (Br, Bc) = (1, 8)"])
+draw.layout(flat, ax=axes[2], title="flattened (Bc = 1): prefix read per request")
 fig.tight_layout()
 plt.show()
 
@@ -119,7 +116,8 @@ for name in tiers.available():
 # A decode step is memory-bound, so its floor is the KV bytes it must read. Plain paged decode reads
 # `batch x (prefix + suffix)` slots; the cascade reads the prefix once plus every suffix. Below, the ratio for
 # the paper's Table 5 shapes (suffix 256). It is an upper bound on the speedup: the paper measures 1.03x at
-# 1k / batch 16 (fixed costs dominate there) up to 16.1x at 32k / batch 64; BENCHMARKS.md has the H200's.
+# 1k / batch 16 (fixed costs dominate there) up to 16.1x at 32k / batch 64; workload 5 of the benchmark suite
+# measures the H200's (notebook 10).
 
 # %%
 suffix = 256
@@ -132,8 +130,8 @@ for prefix, batch in configs:
     print(f"{prefix:7d} {batch:6d} {plain:14d} {composed:16d} {ratios[-1]:11.1f}x")
 
 fig, ax = plt.subplots(figsize=(8, 3))
-ax.bar([f"{p // 1024}k / {b}" for p, b in configs], ratios, color="C2")
-ax.set_yscale("log")
+bars = ax.bar([f"{p // 1024}k / {b}" for p, b in configs], ratios, color="C2")
+ax.bar_label(bars, fmt="%.1fx")
 ax.set_xlabel("prefix / batch (suffix 256)")
 ax.set_ylabel("plain bytes / cascade bytes")
 ax.set_title("KV bytes a decode step must read")

@@ -39,7 +39,7 @@ import numpy as np
 
 import bsrattn as ba
 import tiers
-from pictures import draw_layout
+from bsrattn import draw
 
 # %% [markdown]
 # ## The idea: a draft tree of eight nodes behind twelve committed tokens
@@ -62,8 +62,8 @@ print(mask[:, committed:].astype(int))
 # ## A picture
 #
 # Left: the draft tree. Middle: the request's mask in logical key order — committed tokens are visible to every
-# node, the tree part is each node's ancestry. Right: the same mask in the pool, on $(4, 4)$ tiles; tiles with no
-# visible pair are skipped.
+# node, the tree part is each node's ancestry. Right: the same mask in the pool, with the $(4, 4)$ tiles that
+# hold a visible pair; the others hold no work at all.
 
 # %%
 def tree_coordinates(parents):
@@ -104,7 +104,7 @@ axes[1].axvline(committed - 0.5, color="C3", linestyle="--")
 axes[1].set_xlabel("logical key (committed | tree)")
 axes[1].set_ylabel("tree node (query)")
 axes[1].set_title("custom mask, logical order")
-draw_layout(axes[2], layout, 4, 4, title="in the pool, (4, 4) tiles")
+draw.layout(layout, tiles=(4, 4), tile_grid="pool", ax=axes[2], title="in the pool, (4, 4) tiles with a visible pair")
 fig.tight_layout()
 plt.show()
 
@@ -143,7 +143,8 @@ for name in tiers.available():
 # Verifying $n$ draft nodes one by one would read the committed cache $n$ times. The tree call reads it once for
 # all nodes (they are one block row, $B_r = n$), plus the tree's own $n$ slots. Below, for a 4096-token
 # context, KV slots read against the number of nodes of a random tree, and the share of $(16, 16)$ tiles of the
-# tree part that hold any visible pair (the rest are skipped).
+# tree part that hold any visible pair (the rest hold none: a kernel that read the mask a tile at a time could
+# skip them; bsrattn's kernels bound their KV loops by position only, as notebook 3 counts).
 
 # %%
 def random_tree(n, seed):

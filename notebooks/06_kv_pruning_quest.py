@@ -28,8 +28,10 @@
 # work is proportional to the budget, not to the sequence length.
 
 # %%
+import json
 import os
 import shutil
+from pathlib import Path
 
 # Without a GPU, the numba tier runs in Numba's CUDA simulator and the torch tier in Triton's interpreter.
 # Both read these variables when they are first imported, so they are set before anything imports them.
@@ -42,7 +44,7 @@ import numpy as np
 
 import bsrattn as ba
 import tiers
-from pictures import draw_layout
+from bsrattn import draw
 
 # %% [markdown]
 # ## The idea: Quest's page selection, written out
@@ -101,7 +103,7 @@ axes[0].set_xlabel("logical page")
 axes[0].set_ylabel("KV head")
 axes[0].set_yticks(range(num_kv_heads))
 axes[0].set_title("upper bound of q.k per page (kept: outlined)")
-draw_layout(axes[1], layout, 1, page_size, title="quest layout: row = KV head, pool in (page, head) blocks")
+draw.layout(layout, ax=axes[1], title="quest layout: row = KV head, pool in (page, head) blocks")
 axes[1].set_ylabel("KV head")
 axes[1].set_yticks(range(num_kv_heads))
 fig.tight_layout()
@@ -157,9 +159,8 @@ for name in tiers.available():
 # Per KV head, with `head_dim = 128` in fp16 (K and V), bytes a decode step reads as the context grows: attention
 # over the whole cache with a mask (SDPA's approach) scales with the context; a kernel that reads aligned
 # 128-slot blocks (FlexAttention's default template) scales with the budget but pays up to 8x; gathering the
-# 16-slot pages (Quest in bsrattn and FlashInfer) reads exactly what was selected. On the H200,
-# BENCHMARKS.md measures FlashInfer at 16.6 µs (budget 64) against SDPA-with-mask at 145 µs at a 32k context:
-# the same shape as these curves.
+# 16-slot pages (Quest in bsrattn and FlashInfer) reads exactly what was selected. The H200's times for the same
+# pattern follow below the picture.
 
 # %%
 def quest_pages(seq_len, budget, seed):
@@ -190,3 +191,26 @@ ax.set_title("Quest decode: bytes per step")
 ax.legend(fontsize=8, loc="upper left")
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# On the H200, workload 1 of the benchmark suite times this decode (32 query heads over 32 KV heads, `head_dim`
+# 128, fp16, a 32k context, one query), in graph mode: the committed results in `benchmarks/results/`, read here.
+# The whole-cache kernel stays where it is whatever the budget; the gathering ones follow the budget.
+
+# %%
+here = Path.cwd()
+root = next((p for p in (here, *here.parents) if (p / "benchmarks" / "results").is_dir()), None)
+if root is None:
+    raise FileNotFoundError(f"no benchmarks/results above {here}: run this notebook inside the repository")
+w1_path = root / "benchmarks" / "results" / "w1_quest_decode.json"
+w1 = json.loads(w1_path.read_text()) if w1_path.is_file() else {"records": []}
+measured = {(r["config"]["budget"], r["impl"]): r for r in w1["records"]
+            if r["status"] == "ok" and r["config"].get("seq_len") == 32768}
+names = {"sdpa-mask": "SDPA + mask (whole cache)", "flex-b128": "FlexAttention, 128-slot blocks",
+         "flashinfer-cuda-core": "FlashInfer (gather)", "bsrattn-torch": "bsrattn torch tier (gather)"}
+if not measured:
+    print(f"no workload 1 results in {w1_path.relative_to(root)}")
+for budget in sorted({b for b, _ in measured}):
+    cells = [f"{label} {measured[budget, impl]['time_us']:.1f}" for impl, label in names.items()
+             if (budget, impl) in measured and measured[budget, impl].get("time_mode") == "graph"]
+    print(f"budget {budget:3d} pages, µs: " + ", ".join(cells))

@@ -32,6 +32,7 @@
 
 # %%
 import os
+import re
 import shutil
 
 # Without a GPU, the numba tier runs in Numba's CUDA simulator and the torch tier in Triton's interpreter.
@@ -44,6 +45,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import bsrattn as ba
+import sm90
 import tiers
 
 # %% [markdown]
@@ -176,6 +178,35 @@ def batched_run(rows, backend, dtype=np.float32, **plan_options):
 for name in tiers.available():
     runs = {batched_run([0, 1, 2, 3], name, fixed_split_size=16).tobytes() for _ in range(3)}
     print(f"{name:>9}: 3 runs of a split plan -> {len(runs)} distinct result")
+
+# %% [markdown]
+# ### No floating-point atomics, read in the compiled kernel
+#
+# "No floating-point atomics" is a property of the code a GPU runs, so read that code. The torch tier's persistent
+# kernel, compiled for the H200 (sm_90) right here — Triton needs no GPU to compile, only to run (`sm90.py` beside
+# this notebook does it in a subprocess, since the interpreter is on here) — for a decode and for a causal
+# prefill. Every atomic instruction in its PTX, and every atomic read-modify-write in its TTGIR (Triton's GPU-level
+# IR, which names the operand types):
+
+# %%
+launches = {"fp16 decode": {}, "bf16 causal prefill": dict(q_dtype="bfloat16", tile_q=32, causal=True)}
+for label, kwargs in launches.items():
+    asm = sm90.compile_attention(**kwargs)
+    ptx_atomics = re.findall(r"\b(?:atom|red)\.[\w.]+", asm["ptx"])
+    ttgir_atomics = [" ".join(line.split()) for line in asm["ttgir"].splitlines() if "tt.atomic_" in line]
+    print(f"{label}: {len(asm['ptx'].splitlines())} lines of PTX")
+    print("  PTX atomics:  ", sorted(set(ptx_atomics)), f"x{len(ptx_atomics)}")
+    for line in ttgir_atomics:
+        print("  TTGIR:        ", re.sub(r"\s*loc\(.*\)$", "", line))
+    assert ptx_atomics and all(re.search(r"\.[us]32$", op) for op in ptx_atomics), ptx_atomics
+    assert all(": (!tt.ptr<i32>, i32, i1) -> i32" in line for line in ttgir_atomics), ttgir_atomics
+
+# %% [markdown]
+# One atomic, and it is an integer: the counter each split tile's items bump (`atom.add.u32`, acquire-release at
+# GPU scope) so that the last one to finish knows it is last. That item then folds the tile's partial states
+# itself — with ordinary loads and adds, in the order the plan lists them. The partial states never meet in an
+# atomic, so which item happens to merge changes nothing in the result. (The numba tier has no atomics at all: it
+# merges in a second launch.)
 
 # %% [markdown]
 # ### Batch invariance

@@ -49,7 +49,7 @@ import numpy as np
 
 import bsrattn as ba
 import tiers
-from pictures import draw_gantt
+from bsrattn import draw
 
 # %% [markdown]
 # ## The idea: six decode requests on eight CTAs
@@ -75,13 +75,15 @@ print(f"merge {m}: query row {planned.merge_qo_start[m]} folds partial rows {par
 # %% [markdown]
 # ## A picture
 #
-# Gantt charts under the plan's cost model (query rows + KV slots per item), coloured by request. The dashed line
-# is the makespan, when the busiest CTA finishes.
+# Gantt charts under the plan's cost model (query rows + KV slots per item), coloured by request
+# (`bsrattn.draw.plan`). Hatched items are chunks of a split request: each writes a partial state, and a diamond
+# marks each merge, when the last of its chunks is done. The dashed line is the makespan, when the busiest CTA
+# finishes.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(13, 3.2), sharex=True)
-draw_gantt(axes[0], baseline, "round robin, one CTA per request:")
-draw_gantt(axes[1], planned, "Algorithm 1:")
+draw.plan(baseline, ax=axes[0], title="round robin, one CTA per request:")
+draw.plan(planned, ax=axes[1], title="Algorithm 1:")
 fig.tight_layout()
 plt.show()
 
@@ -163,7 +165,7 @@ plt.show()
 
 # %% [markdown]
 # The host pays for this: `plan` walks every work item. Its time, for decode batches of growing size (the
-# benchmark suite measures it on the H200 host; BENCHMARKS.md's target is 50 µs at batch 256):
+# benchmark suite's workload 6 measures it on the H200's host, beside FlashInfer's: notebook 10):
 
 # %%
 import time

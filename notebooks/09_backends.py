@@ -44,8 +44,8 @@ import numpy as np
 import bsrattn as ba
 import bsrattn.testing
 import tiers
+from bsrattn import draw
 from bsrattn.validation import spec_from_inputs
-from pictures import draw_gantt
 
 # %% [markdown]
 # ## The idea: one flag
@@ -87,6 +87,7 @@ k = rng.standard_normal((layout.num_blocks, layout.block_size, num_kv_heads, hea
 v = rng.standard_normal(k.shape)
 q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
 variants = {
+    "no mask": ba.Variant(),
     "causal": ba.Variant(causal=True),
     "window 4 + soft cap": ba.Variant(causal=True, window_left=4, logits_soft_cap=3.0),
     "ALiBi": ba.Variant(causal=True, alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
@@ -154,7 +155,7 @@ for w in range(work_plan.num_items):
           f"{work_plan.item_qo_end[w]}, KV {work_plan.item_kv_start[w]}:{work_plan.item_kv_end[w]}, "
           f"partial row {work_plan.item_partial[w]}")
 fig, ax = plt.subplots(figsize=(8, 1.8))
-draw_gantt(ax, work_plan, f"the numba tier's plan: grid ({work_plan.num_ctas} CTAs x {num_kv_heads} KV heads);")
+draw.plan(work_plan, ax=ax, title=f"numba tier's plan, grid ({work_plan.num_ctas} CTAs x {num_kv_heads} KV heads):")
 fig.tight_layout()
 plt.show()
 
