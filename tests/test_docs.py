@@ -1,13 +1,17 @@
-"""The documentation site builds with no warnings, its examples run, and every public name has an example.
+"""The documentation site builds with no warnings and offline, its examples run, every public name has an example.
 
 The build is ``mkdocs build --strict`` (warnings are errors) into a temporary folder, in a subprocess whose path
 shadows torch, numba and triton with packages that refuse to import: the site, including its API reference,
-must be built from the sources alone. The notebooks are rendered unexecuted (``tests/test_notebooks.py`` runs
-them).
+must be built from the sources alone. The notebooks are rendered unexecuted here (``BSRATTN_DOCS_EXECUTE=false``);
+``tests/test_notebooks.py`` executes them and builds the site from them. The site must load nothing from outside
+itself (MathJax is served from it), and its math must reach MathJax. The README's code and the home page's run
+as they stand, in a fresh interpreter: the README's without the simulator variables, the home page's with them,
+as each says.
 """
 
 import doctest
 import importlib
+import importlib.util
 import inspect
 import os
 import pathlib
@@ -24,8 +28,9 @@ pytest.importorskip("mkdocs_jupyter")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PUBLIC_MODULES = ("bsrattn", "bsrattn.layouts", "bsrattn.scheduler", "bsrattn.backends", "bsrattn.testing",
-                  "bsrattn.indexing")
+                  "bsrattn.indexing") + (("bsrattn.draw",) if importlib.util.find_spec("matplotlib") else ())
 BLOCKED = ("torch", "numba", "triton")
+SIMULATORS = ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,8 @@ def site(tmp_path_factory):
             f"raise ImportError('the docs build must not import {name}')\n")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1",
                PYTHONPATH=os.pathsep.join([str(tmp / "blocked"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("BSRATTN_DOCS_EXECUTE", None)
+    env["BSRATTN_DOCS_EXECUTE"] = "false"
+    env.pop("BSRATTN_DOCS_NOTEBOOKS", None)
     out = tmp / "site"
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
@@ -48,7 +54,7 @@ def site(tmp_path_factory):
 
 def test_every_page_of_the_nav_is_built(site):
     for page in ("index.html", "concepts/merge/index.html", "tiers/index.html", "gpu/index.html",
-                 "benchmarks/index.html", "api/bsrattn/index.html", "api/scheduler/index.html"):
+                 "benchmarks/index.html", "api/bsrattn/index.html", "api/scheduler/index.html", "api/draw/index.html"):
         assert (site / page).is_file(), page
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
     assert len(notebooks) == 10
@@ -76,6 +82,134 @@ def test_benchmark_page_shows_the_committed_results_or_says_there_are_none(site)
             assert (site / "benchmarks" / "results" / image.name).is_file(), image.name
     else:
         assert "No results committed yet" in page
+
+
+def _pages(site):
+    return sorted(site.rglob("*.html"))
+
+
+def test_the_site_loads_nothing_from_outside_itself(site):
+    external = re.compile(r"""<(?:script|img|iframe|source)\b[^>]*\bsrc=["'](?:https?:)?//|"""
+                          r"""<link\b[^>]*\bhref=["'](?:https?:)?//|@import\s+url\(["']?(?:https?:)?//""")
+    for page in _pages(site):
+        found = external.search(page.read_text())
+        assert not found, f"{page.relative_to(site)} loads {found.group(0)!r}"
+    # MathJax is the site's own: the component the pages load, and the fonts it fetches next to itself.
+    mathjax = site / "assets" / "mathjax"
+    assert (mathjax / "tex-mml-chtml.js").is_file()
+    assert (mathjax / "output" / "chtml" / "fonts" / "woff-v2" / "MathJax_Main-Regular.woff").is_file()
+    for page in ("index.html", "concepts/merge/index.html", "notebooks/07_attention_state_and_merge/index.html"):
+        html = (site / page).read_text()
+        scripts = re.findall(r'<script src="([^"]*)"', html)
+        assert any(src.endswith("assets/mathjax/tex-mml-chtml.js") for src in scripts), (page, scripts)
+        assert all(src and (site / page).parent.joinpath(src).resolve().is_file() for src in scripts), (page, scripts)
+        assert "x-mathjax-config" not in html, f"{page}: nbconvert's MathJax 2 set-up is left in"
+
+
+def _text(html):
+    """The page's text outside code, scripts and tags."""
+    html = re.sub(r"<(pre|code|script|style)\b.*?</\1>", "", html, flags=re.DOTALL)
+    return re.sub(r"<[^>]+>", " ", html)
+
+
+def test_the_math_reaches_mathjax_and_no_tex_is_left_raw(site):
+    merge = (site / "concepts" / "merge" / "index.html").read_text()
+    assert len(re.findall(r'class="arithmatex"', merge)) > 5
+    for page in _pages(site):
+        html = page.read_text()
+        if "/notebooks/" in page.as_posix():
+            # A notebook page's code keeps its dollars; its markdown cells must not.
+            html = "".join(re.findall(r'<div class="[^"]*jp-RenderedMarkdown[^"]*"[^>]*>(.*?)</div>', html, re.DOTALL))
+        html = re.sub(r'<span class="arithmatex">.*?</span>|<div class="arithmatex">.*?</div>', "", html,
+                      flags=re.DOTALL)
+        raw = re.search(r"\$[^$\s][^$]*?\$", _text(html))
+        assert not raw, f"{page.relative_to(site)}: TeX left raw: {raw.group(0)[:80]!r}"
+    notebook = (site / "notebooks" / "07_attention_state_and_merge" / "index.html").read_text()
+    assert r'<span class="arithmatex">\(\mathrm{lse} = -\infty\)</span>' in notebook
+
+
+def test_titles_and_navigation_hold_no_tex(site):
+    for page in _pages(site):
+        html = page.read_text()
+        labels = re.findall(r"<title>(.*?)</title>", html) + re.findall(r'<span class="md-ellipsis">(.*?)</span>', html,
+                                                                          flags=re.DOTALL)
+        assert not [label for label in labels if "$" in label], page.relative_to(site)
+
+
+def _python_blocks(path):
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.DOTALL)
+
+
+def _run(code, env, tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_readme_code_runs_without_a_gpu_or_the_simulators(tmp_path):
+    blocks = _python_blocks(ROOT / "README.md")
+    assert blocks, "the README has no python block"
+    env = {k: v for k, v in os.environ.items() if k not in SIMULATORS}
+    done = _run("\n".join(blocks), env, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "max |plan/run - attention|" in done.stdout, done.stdout
+
+
+def test_the_home_page_code_runs_as_the_page_says(tmp_path):
+    page = (DOCS / "index.md").read_text()
+    assert "NUMBA_ENABLE_CUDASIM=1 TRITON_INTERPRET=1 python" in page
+    env = dict(os.environ)
+    if not _has_gpu():
+        env.update({name: "1" for name in SIMULATORS})
+    done = _run("\n".join(_python_blocks(DOCS / "index.md")), env, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "max |numba - reference|" in done.stdout, done.stdout
+
+
+def _has_gpu():
+    import shutil
+
+    return shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def test_the_readme_opens_with_its_picture():
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.strip()]
+    picture = re.fullmatch(r"!\[[^\]]+\]\((docs/assets/[\w.-]+\.png)\)", lines[1])
+    assert lines[0] == "# bsrattn" and picture, lines[:2]
+    path = ROOT / picture.group(1)
+    assert path.is_file() and path.stat().st_size < 100 * 1024, path
+
+
+# Paths and file names a reader is pointed at: a relative link's target, or a file name in backticks.
+FILE_NAME = re.compile(r"`([\w./-]+\.(?:md|py|json|toml|yml|png|txt))`")
+LINK = re.compile(r"\]\(((?!https?:|#)[^)\s]+)\)")
+
+
+@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md", "docs/index.md", "docs/benchmarks.md", "docs/gpu.md"])
+def test_every_file_named_is_in_the_repository(name):
+    path = ROOT / name
+    text = path.read_text()
+    missing = []
+    for target in LINK.findall(text):
+        if not (path.parent / target.split("#")[0]).exists():
+            missing.append(target)
+    for target in FILE_NAME.findall(text):
+        candidates = [ROOT / target, DOCS / target, ROOT / "benchmarks" / target]
+        if "/" not in target:
+            candidates += [p for p in ROOT.rglob(target) if ".git" not in p.parts]
+        if not any(c.exists() for c in candidates):
+            missing.append(target)
+    assert not missing, f"{name} names files that are not in the repository: {missing}"
+
+
+def test_the_hooks_examples_run():
+    for hook in sorted((DOCS / "_hooks").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"hook_{hook.stem}", hook)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        result = doctest.testmod(module)
+        assert result.failed == 0, f"{hook.name}: {result.failed} examples failed"
 
 
 def _pycon_blocks(path):
