@@ -6,6 +6,7 @@ item ends; the read-amplification curve plots the layout's own ratios. matplotli
 ``bsrattn.draw`` only, and its absence is reported with the extra that brings it.
 """
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -215,3 +216,19 @@ def test_read_amplification_plots_the_layouts_ratios():
     assert len(ax.get_lines()) == 3, "a second curve of the same page size adds no second storage line"
     with pytest.raises(TypeError, match="BSRLayout"):
         draw.read_amplification(ba.layouts.shared_prefix([1], [0], 4, [[1]], [2], 4, 2), blocks)
+
+
+def test_the_readme_picture_is_the_one_bsrattn_draw_makes(tmp_path):
+    spec = importlib.util.spec_from_file_location("readme_picture", ROOT / "docs" / "assets" / "readme_picture.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    fig = script.figure()
+    assert [ax.get_title() for ax in fig.axes] == ["paged KV cache: Bc = page size (16)", "ragged causal batch: Bc = 1",
+                                                   "draft tree: a custom mask, Bc = 4"]
+    # The left panel is the README's page tables: pages of 16, one query row per request.
+    assert boxes(fig.axes[0]) == sorted((16 * p, r, 16, 1) for r, pages in enumerate([[0, 3, 5], [1, 2], [4, 6, 7]])
+                                        for p in pages)
+    drawn = script.main(tmp_path / "picture.png")
+    committed = script.PICTURE
+    assert committed.stat().st_size < 100 * 1024
+    assert plt.imread(drawn).shape == plt.imread(committed).shape, "redraw it: python docs/assets/readme_picture.py"
