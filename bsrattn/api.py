@@ -87,6 +87,8 @@ def attention(q, k, v, layout, *, variant=None, backend=None, kv_layout="NHD", r
         Shapes that do not fit the layout or each other, a read-only ``out``/``lse``, a torch tensor on the
         meta device.
 
+    Notes
+    -----
     These checks run before a tier is called. A tier adds its own: the devices it can use, and the torch tier
     under the Triton interpreter refuses bfloat16 ``q``/``k``/``v`` (``TypeError``), which it computes wrongly.
 
@@ -205,8 +207,8 @@ def _check_floats(**states):
     for name, x in states.items():
         check_array(name, x)
         if dtype_name(x) not in FLOAT_DTYPES:
-            raise TypeError(f"{name} has dtype {dtype_name(x)}; attention states are real floats, one of "
-                            f"{FLOAT_DTYPES}")
+            raise TypeError(f"{name} has dtype {dtype_name(x)}; attention states are real floats of one of the "
+                            f"dtypes {FLOAT_DTYPES}")
 
 
 def _check_state(name_o, o, name_lse, lse):

@@ -312,12 +312,17 @@ def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: 
     min_split_size, kv_align : int
         Lower bound on ``L_kv`` and the multiple it is rounded up to (a kernel's KV tile).
 
-    The int options take Python or NumPy integers in ``1..2**31-1`` (``num_ctas`` at most ``MAX_CTAS``);
-    anything else raises ``TypeError`` or ``ValueError`` naming the argument.
-
     Returns
     -------
     WorkPlan
+
+    Raises
+    ------
+    TypeError
+        A length or an option that is not an integer (Python or NumPy; a float, even ``2.0``, or a bool).
+    ValueError
+        A negative length or one beyond int32, an option below 1 or beyond int32, ``num_ctas`` beyond
+        ``MAX_CTAS``.
 
     Examples
     --------

@@ -32,6 +32,9 @@ def as_real(name: str, value) -> float:
 class Variant:
     """How scores become weights.
 
+    Numbers may be Python or NumPy scalars; anything else (a string, a list, ``None`` where a number is
+    required, a bool) raises ``TypeError`` naming the field, and a value out of range ``ValueError``.
+
     Parameters
     ----------
     sm_scale : float, optional
@@ -46,9 +49,6 @@ class Variant:
         ``[num_qo_heads]`` slopes; bias ``slope * (k_pos - q_pos)``.
     sigmoid_bias : float, optional
         FlashSigmoid: weights ``sigmoid(score + bias)`` with no normalisation; ``lse`` is then undefined.
-
-    Numbers may be Python or NumPy scalars; anything else (a string, a list, ``None`` where a number is
-    required, a bool) raises ``TypeError`` naming the field, and a value out of range ``ValueError``.
 
     Examples
     --------
