@@ -93,11 +93,12 @@ def _draw_bsr(ax, lay: BSRLayout, variant, tiles, tile_grid, title):
     boxes = _block_boxes(lay) if tiles is None else _tile_boxes(lay, mask, *tiles, tile_grid)
     for x0, y0, width, height in boxes:
         ax.add_patch(Rectangle((x0 - 0.5, y0 - 0.5), width, height, **_BOX))
-    # Thin lines between blocks of the pool and between block rows, so the BSR grid reads at a glance.
-    if lay.block_size > 1:
+    # Thin lines between the pool's blocks (while there are few enough to tell apart) and between block rows,
+    # so the BSR grid reads at a glance.
+    if 1 < lay.block_size and lay.num_blocks <= 64:
         ax.set_xticks(np.arange(0, lay.num_slots + 1, lay.block_size) - 0.5, minor=True)
     ax.set_yticks(np.asarray(lay.qo_indptr) - 0.5, minor=True)
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.grid(which="minor", color="0.85", linewidth=0.5)
     ax.tick_params(which="minor", length=0)
     ax.set_xlabel("KV pool slot")
