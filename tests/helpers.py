@@ -1,9 +1,12 @@
 """What a layout means, recomputed from its constructor's raw inputs, and the checks built on it.
 
-Nothing here reads a ``BSRLayout``'s arrays or calls its methods: the query views come from the page
-tables, token lists, block lists and tree parents in ``case.raw``, and the naive attention is a plain
-float64 loop over (query, head). That independence is what makes "the layout equals dense masked attention"
-a test rather than a restatement.
+Nothing here reads a ``BSRLayout``'s arrays or calls its methods, or calls a tier: the query views come from
+the page tables, token lists, block lists and tree parents in ``case.raw``, and the oracle is a plain float64
+loop over (query, head) (:func:`naive_attention`; :func:`naive_state` and :func:`naive_merge` for keys given
+with positions and for states). That independence is what makes "the layout equals dense masked attention",
+and "a tier equals the oracle", tests rather than restatements; every tier, the reference included, is
+compared with it through :func:`check_attention` and :func:`assert_matches_oracle`, the one place that says
+what "matches" means (``bsrattn.testing``'s error budget, or its float64 table entry).
 """
 
 from __future__ import annotations
@@ -11,10 +14,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import ml_dtypes
 import numpy as np
 
 import bsrattn as ba
-from bsrattn.testing import assert_close
+from bsrattn.testing import assert_close, assert_within_budget, naive_attention_row
+
+NUMPY_DTYPES = {
+    "float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2,
+}
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,21 @@ def raw_tensors(problem, dtype=np.float64, rng=None):
                 "quest": (nb, hkv, bs, d)}[case.kv_store]
     q = rng.standard_normal((num_query_rows(case), hq, d))
     k, v = rng.standard_normal(kv_shape), rng.standard_normal(kv_shape)
-    return tuple(x.astype(dtype).astype(np.float64) for x in (q, k, v))
+    return tuple(rounded(x, dtype) for x in (q, k, v))
+
+
+def rounded(x, dtype) -> np.ndarray:
+    """``x`` rounded through ``dtype`` (a name of :data:`NUMPY_DTYPES` or a NumPy dtype), as float64."""
+    return np.asarray(x).astype(NUMPY_DTYPES.get(dtype, dtype)).astype(np.float64)
+
+
+def as_float64(x) -> np.ndarray:
+    """Any tier's array (NumPy, torch tensor, Numba device array) as float64 NumPy."""
+    if hasattr(x, "detach"):
+        return x.detach().double().cpu().numpy()
+    if hasattr(x, "copy_to_host"):
+        x = x.copy_to_host()
+    return np.asarray(x).astype(np.float64)
 
 
 def canonical_pool(case, x) -> np.ndarray:
@@ -193,8 +216,17 @@ def visible(view, variant) -> np.ndarray:
     return keep
 
 
-def naive_attention(problem, q, k, v, variant=None):
-    """Float64 attention of every raw query row and head, by a loop, from the raw inputs alone.
+def _naive_query(q, K, V, view, variant, scale, slope, dtype):
+    """One query head ``q [D]`` over the keys of ``view`` in the KV head's pool ``K, V [num_slots, D]``."""
+    keep = visible(view, variant)
+    bias = None if slope is None else slope * (view.k_pos - view.q_pos)[keep]
+    return naive_attention_row(q, K[view.slots[keep]], V[view.slots[keep]], scale, dtype,
+                               soft_cap=variant.logits_soft_cap, bias=bias, sigmoid_bias=variant.sigmoid_bias)
+
+
+def naive_attention(problem, q, k, v, variant=None, dtype="float64"):
+    """Attention of every raw query row and head, by a loop, from the raw inputs alone: the float64 oracle, or
+    with ``dtype`` the same attention done naively in that precision (``bsrattn.testing.naive_attention_row``).
 
     Returns ``out [n, Hq, D]`` and ``lse [n, Hq]`` (natural log; ``-inf`` and ``out = 0`` for a query that
     sees nothing; ``lse = nan`` for FlashSigmoid).
@@ -206,27 +238,47 @@ def naive_attention(problem, q, k, v, variant=None):
     n, hq, d = q.shape
     group = hq // K.shape[1]
     scale = variant.sm_scale if variant.sm_scale is not None else 1.0 / math.sqrt(d)
-    out = np.zeros((n, hq, d))
-    lse = np.full((n, hq), np.nan if variant.sigmoid_bias is not None else -np.inf)
+    out, lse = np.zeros((n, hq, d)), np.zeros((n, hq))
     for i, per_head in enumerate(query_views(case)):
         for h in range(hq):
             g = h // group
             view = per_head[g] if len(per_head) > 1 else per_head[0]
-            s = scale * (K[view.slots, g] @ q[i, h])
-            if variant.logits_soft_cap > 0:
-                s = variant.logits_soft_cap * np.tanh(s / variant.logits_soft_cap)
-            if variant.alibi_slopes is not None:
-                s = s + variant.alibi_slopes[h] * (view.k_pos - view.q_pos)
-            keep = visible(view, variant)
-            vals = V[view.slots, g][keep]
-            if variant.sigmoid_bias is not None:
-                out[i, h] = (1.0 / (1.0 + np.exp(-(s[keep] + variant.sigmoid_bias)))) @ vals
-            elif keep.any():
-                m = s[keep].max()
-                w = np.exp(s[keep] - m)
-                out[i, h] = w @ vals / w.sum()
-                lse[i, h] = m + math.log(w.sum())
+            slope = None if variant.alibi_slopes is None else variant.alibi_slopes[h]
+            out[i, h], lse[i, h] = _naive_query(q[i, h], K[:, g], V[:, g], view, variant, scale, slope, dtype)
     return out, lse
+
+
+def naive_state(q, k, v, q_pos, k_pos, variant, sm_scale):
+    """The float64 oracle's state of ``q [n, Hq, D]`` over keys ``k, v [m, Hkv, D]`` at positions ``q_pos [n]``,
+    ``k_pos [m]``: ``(o [n, Hq, D], lse [n, Hq])``."""
+    q = np.asarray(q, dtype=np.float64)
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    out, lse = np.zeros((n, hq, d)), np.zeros((n, hq))
+    for i in range(n):
+        view = _view(np.arange(k.shape[0]), q_pos[i], k_pos=k_pos)
+        for h in range(hq):
+            slope = None if variant.alibi_slopes is None else variant.alibi_slopes[h]
+            out[i, h], lse[i, h] = _naive_query(q[i, h], k[:, h // group], v[:, h // group], view, variant,
+                                                sm_scale, slope, "float64")
+    return out, lse
+
+
+def naive_merge(o, lse):
+    """``o [n, S, H, D]``, ``lse [n, S, H]`` merged in one step, in float64, from the definition: the weights
+    ``exp(lse_s - max)`` of the non-empty states normalised, ``lse = max + log(sum of the weights)``. One
+    state is its own merge, an empty one's ``o`` included: there is nothing to fold."""
+    o, lse = np.asarray(o, dtype=np.float64), np.asarray(lse, dtype=np.float64)
+    if o.shape[1] == 1:
+        return o[:, 0], lse[:, 0]
+    top = lse.max(axis=1, keepdims=True)
+    shift = np.where(np.isfinite(top), top, 0.0)
+    w = np.exp(lse - shift)
+    total = w.sum(axis=1)
+    weighted = np.where(w[..., None] > 0, w[..., None] * o, 0.0).sum(axis=1)
+    merged = weighted / np.where(total > 0, total, 1.0)[..., None]
+    with np.errstate(divide="ignore"):
+        return merged, np.where(total > 0, shift[:, 0] + np.log(total), -np.inf)
 
 
 def dense_mask_from_raw(case, variant=None) -> np.ndarray:
@@ -253,6 +305,45 @@ def dense_mask_from_raw(case, variant=None) -> np.ndarray:
 
 # ---- checks shared by the property tests and the wrong-implementation tests --------------------------
 
+def assert_matches_oracle(got_o, got_lse, want, naive=None, dtype="float64", name="output"):
+    """Raise unless ``got_o`` (and ``got_lse``, unless None) match the float64 oracle's ``want = (o, lse)``.
+
+    In float64 (``naive`` None) the table's float64 entries apply; in a lower ``dtype``, the error budget of
+    ``bsrattn.testing`` against ``naive = (o, lse)``, the same attention computed naively in ``dtype``.
+    """
+    if naive is None:
+        assert_close(got_o, want[0], "attention", dtype, name=f"{name} out")
+        if got_lse is not None:
+            assert_close(got_lse, want[1], "lse", dtype, name=f"{name} lse")
+        return
+    assert_within_budget(got_o, want[0], naive[0], "attention", dtype, name=f"{name} out")
+    if got_lse is not None:
+        assert_within_budget(got_lse, want[1], naive[1], "lse", dtype, name=f"{name} lse")
+
+
+def check_attention(run, problem, dtype="float64", tensors=None, *, kv_dtype=None, k_scale=None, v_scale=None,
+                    name=None):
+    """Run ``run(q, k, v, kv_layout) -> (out, lse or None)`` on ``problem`` and raise unless it matches the
+    oracle (:func:`assert_matches_oracle`); return its ``(out, lse)`` as float64 in the raw query order.
+
+    ``run`` gets NumPy arrays as a caller passes them (:func:`call_inputs`): ``q`` in ``dtype``, ``k`` and ``v``
+    in ``kv_dtype`` (default ``dtype``). ``tensors`` are raw ``(q, k, v)`` (default :func:`raw_tensors` in
+    ``dtype``); for fp8 KV the oracle sees ``k * k_scale`` and ``v * v_scale``, which ``run`` must pass on.
+    """
+    case = problem.case
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    q, k, v = raw_tensors(problem, dtype) if tensors is None else tensors
+    q_c, k_c, v_c, kv_layout = call_inputs(case, q, k, v)
+    out, lse = run(q_c.astype(NUMPY_DTYPES[dtype]), k_c.astype(NUMPY_DTYPES[kv_dtype]),
+                   v_c.astype(NUMPY_DTYPES[kv_dtype]), kv_layout)
+    out, lse = output_to_raw(case, as_float64(out), None if lse is None else as_float64(lse), problem.num_qo_heads)
+    k, v = k * (1.0 if k_scale is None else k_scale), v * (1.0 if v_scale is None else v_scale)
+    naive = None if dtype == "float64" else naive_attention(problem, q, k, v, dtype=dtype)
+    assert_matches_oracle(out, lse, naive_attention(problem, q, k, v), naive, dtype,
+                          name or f"{case.kind} {dtype}")
+    return out, lse
+
+
 def reference_impl(q, k, v, layout, variant, kv_layout):
     """``ba.attention`` on the reference tier, returning ``(out, lse)`` (lse None for FlashSigmoid)."""
     if variant.sigmoid_bias is not None:
@@ -260,35 +351,24 @@ def reference_impl(q, k, v, layout, variant, kv_layout):
     return ba.attention(q, k, v, layout, variant=variant, kv_layout=kv_layout, backend="reference", return_lse=True)
 
 
-def check_layout_attention(impl, problem):
+def check_layout_attention(impl, problem, dtype="float64"):
     """Raise AssertionError unless ``impl(q, k, v, layout, variant, kv_layout) -> (out, lse)`` equals
-    the naive attention computed from the raw inputs, at the float64 tolerance."""
-    q, k, v = raw_tensors(problem)
-    want_o, want_lse = naive_attention(problem, q, k, v)
-    q_c, k_c, v_c, kv_layout = call_inputs(problem.case, q, k, v)
-    out, lse = impl(q_c, k_c, v_c, problem.case.layout, problem.variant, kv_layout)
-    out, lse = output_to_raw(problem.case, np.asarray(out), None if lse is None else np.asarray(lse),
-                             problem.num_qo_heads)
-    assert_close(out, want_o, "attention", "float64", name=f"{problem.case.kind} out")
-    if problem.variant.sigmoid_bias is None:
-        assert_close(lse, want_lse, "lse", "float64", name=f"{problem.case.kind} lse")
+    the naive attention computed from the raw inputs (:func:`check_attention`)."""
+    check_attention(lambda q, k, v, kv_layout: impl(q, k, v, problem.case.layout, problem.variant, kv_layout),
+                    problem, dtype)
 
 
 def check_split_merge(merge_states_fn, q, k, v, q_pos, k_pos, variant, sm_scale, cuts, order):
     """Raise unless the keys split at ``cuts``, attended chunk by chunk and merged with ``merge_states_fn``
-    in ``order``, equal attention over all keys (float64 tolerance).
+    in ``order``, equal the oracle's attention over all keys (float64).
 
     ``q [n, Hq, D]``, ``k, v [m, Hkv, D]``, ``q_pos [n]``, ``k_pos [m]``; ``cuts`` sorted split points.
     """
-    from bsrattn.reference import attend
-
     bounds = [0, *cuts, k.shape[0]]
-    parts = [attend(q, k[a:b], v[a:b], q_pos, k_pos[a:b], variant, sm_scale) for a, b in zip(bounds, bounds[1:])]
+    parts = [naive_state(q, k[a:b], v[a:b], q_pos, k_pos[a:b], variant, sm_scale) for a, b in zip(bounds, bounds[1:])]
     parts = [parts[i] for i in order]
     o, lse = merge_states_fn(np.stack([p[0] for p in parts], axis=1), np.stack([p[1] for p in parts], axis=1))
-    want_o, want_lse = attend(q, k, v, q_pos, k_pos, variant, sm_scale)
-    assert_close(o, want_o, "attention", "float64", name="merged out")
-    assert_close(lse, want_lse, "lse", "float64", name="merged lse")
+    assert_matches_oracle(o, lse, naive_state(q, k, v, q_pos, k_pos, variant, sm_scale), name="merged")
 
 
 def check_plan_coverage(work_plan, qo_lens, kv_lens):

@@ -279,11 +279,26 @@ def split_problems(draw, q_scale=1.0):
 SPLIT_PROBLEMS = st.one_of(split_problems(), split_problems(q_scale=1000.0))
 
 
-# ---- the named edge cases -----------------------------------------------------------------------------
+# ---- named cases -----------------------------------------------------------------------------------------
+
+def named_case(kind, raw, kv_store="NHD", num_kv_heads=None) -> LayoutCase:
+    """The :class:`LayoutCase` of ``ba.layouts.<kind>(**raw)``, for cases written out by hand."""
+    return LayoutCase(kind, raw, getattr(ba.layouts, kind)(**raw), kv_store, num_kv_heads)
+
 
 def _edge(kind, layout_fn, kv_store, raw, hq=2, hkv=1, head_dim=8, variant=ba.Variant(), num_kv_heads=None):
     case = LayoutCase(kind, raw, layout_fn(**raw), kv_store, num_kv_heads)
     return Problem(case, hq, hkv, head_dim, variant, seed=7)
+
+
+PAGED = dict(qo_lens=[3, 1, 2], page_tables=[[5, 1, 7, 2], [0, 3], [6, 4]], kv_lens=[29, 12, 11], page_size=8,
+             num_pages=8)
+
+
+def paged_problem(variant=ba.Variant(causal=True), hq=4, hkv=2, kv_store="NHD", seed=3, **raw) -> Problem:
+    """Three requests over shuffled pages of 8 (full, partial and shared-nothing pages), head_dim 8; ``raw``
+    overrides :data:`PAGED`'s fields."""
+    return Problem(named_case("paged", {**PAGED, **raw}, kv_store), hq, hkv, 8, variant, seed)
 
 
 EDGE_CASES = {
@@ -299,13 +314,14 @@ EDGE_CASES = {
         "block_sparse", ba.layouts.block_sparse, "flat",
         dict(indptr=[0, 1, 2], indices=[1, 0], M=4, N=4, R=2, C=2,
              mask=np.array([[[1, 0], [0, 1]], [[0, 0], [0, 0]]], dtype=bool))),
-    "GQA ratio 4": _edge("paged", ba.layouts.paged, "HND",
-                         dict(qo_lens=[2, 1], page_tables=[[1, 0], [2]], kv_lens=[7, 3], page_size=4, num_pages=3),
-                         hq=4, hkv=1, variant=ba.Variant(causal=True, logits_soft_cap=5.0)),
-    "page shared by two requests": _edge(
+    "GQA ratio 4, HND pool": _edge("paged", ba.layouts.paged, "HND",
+                                   dict(qo_lens=[2, 1], page_tables=[[1, 0], [2]], kv_lens=[7, 3], page_size=4,
+                                        num_pages=3),
+                                   hq=8, hkv=2, variant=ba.Variant(causal=True, logits_soft_cap=5.0)),
+    "page shared by two requests, ALiBi": _edge(
         "paged", ba.layouts.paged, "NHD",
         dict(qo_lens=[1, 3], page_tables=[[2, 0], [2, 1]], kv_lens=[6, 8], page_size=4, num_pages=3),
-        hq=4, hkv=2, variant=ba.Variant(causal=True)),
+        hq=4, hkv=2, variant=ba.Variant(causal=True, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])),
     "window 0 (each query sees itself)": _edge(
         "ragged", ba.layouts.ragged, "flat", dict(qo_lens=[3], kv_lens=[5]), variant=ba.Variant(window_left=0)),
     "tree chain and siblings": _edge("tree", ba.layouts.tree, "NHD",
