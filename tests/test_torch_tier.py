@@ -1,11 +1,12 @@
-"""The torch tier against the float64 reference, on CPU tensors under the Triton interpreter (CI) or on CUDA.
+"""The torch tier against the float64 oracle, on CPU tensors under the Triton interpreter (CI) or on CUDA.
 
 ``test_tiers.py`` runs the shared cross-tier properties; this file covers what is the torch tier's own:
 both load paths (gathered and affine) on every storage view, every variant through split plans (so the
 merge folded into the persistent kernel runs for each), fp8 KV with scales, buffers refilled in place (the
 CPU analogue of replaying a CUDA graph), the merge kernels, array kinds, custom ops under
 ``torch.compile``, and the checks that run before any launch. Sizes are small: the interpreter executes
-every program in Python.
+every program in Python. Attention is checked with ``helpers.check_attention`` (the oracle rebuilt from the
+layout's raw inputs, within the dtype's error budget), merges against ``helpers.naive_merge``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import pytest
 import torch
 
 import bsrattn as ba
-from bsrattn import reference
 from bsrattn.testing import assert_close
 from bsrattn.torch_cuda import config as tcfg
 from bsrattn.torch_cuda.tensors import check_device, to_numpy
+from helpers import check_attention, naive_merge, raw_tensors, rounded
+from strategies import Problem, named_case
 
 DEVICE = "cpu" if tcfg.interpreting() else "cuda"
 INTERPRETER_BF16 = "the Triton interpreter mishandles bf16 arithmetic; bf16 runs in tests/test_torch_gpu.py on the GPU"
@@ -33,84 +35,91 @@ def pool(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def reference_of(q, k, v, layout, variant, kv_layout="NHD", k_scale=None, v_scale=None):
-    """The float64 reference on the same (rounded) values the tier saw."""
-    as64 = [to_numpy(x).astype(np.float64) if isinstance(x, torch.Tensor) and not str(x.dtype).startswith(
-        "torch.float8") else x for x in (q, k, v)]
-    return ba.attention(*as64, layout, variant=variant, kv_layout=kv_layout, backend="reference",
-                        return_lse=not variant.use_sigmoid, k_scale=k_scale, v_scale=v_scale)
+def _attention(problem, dtype=torch.float32, kv_dtype=None, **kwargs):
+    """``ba.attention`` on the torch tier (tensors on ``DEVICE``), as a run for ``helpers.check_attention``."""
+    sigmoid = problem.variant.use_sigmoid
+
+    def run(q, k, v, kv_layout):
+        got = ba.attention(tensor(q, dtype), tensor(k, kv_dtype or dtype), tensor(v, kv_dtype or dtype),
+                           problem.case.layout, variant=problem.variant, kv_layout=kv_layout, backend="torch",
+                           return_lse=not sigmoid, **kwargs)
+        return (got, None) if sigmoid else got
+    return run
 
 
-def check(got, want, dtype="float32", sigmoid=False, name="torch"):
-    if sigmoid:
-        assert_close(got, want, "attention", dtype, name=f"{name} out")
-        return
-    assert_close(got[0], want[0], "attention", dtype, name=f"{name} out")
-    assert_close(got[1], want[1], "lse", dtype, name=f"{name} lse")
+def _batch(problem, dtype=torch.float32, **plan_kwargs):
+    """``BatchAttention`` planned for ``problem`` and run once, as a run for ``helpers.check_attention``; returns
+    ``(run, attn)``."""
+    attn = ba.BatchAttention(backend="torch")
+    sigmoid = problem.variant.use_sigmoid
+
+    def run(q, k, v, kv_layout):
+        attn.plan(problem.case.layout, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim,
+                  variant=problem.variant, kv_layout=kv_layout, **plan_kwargs)
+        got = attn.run(tensor(q, dtype), tensor(k, dtype), tensor(v, dtype), return_lse=not sigmoid)
+        return (got, None) if sigmoid else got
+    return run, attn
 
 
-def paged_case(rng, qo_lens=(3, 1, 2), kv_lens=(45, 12, 70), page=8, extra=3):
+def paged_raw(rng, qo_lens=(3, 1, 2), kv_lens=(45, 12, 70), page=8, extra=3):
+    """``ba.layouts.paged``'s arguments: shuffled page tables over one pool with ``extra`` unused pages."""
     need = [-(-n // page) for n in kv_lens]
     perm = rng.permutation(sum(need) + extra)
-    tables = np.split(perm[:sum(need)], np.cumsum(need)[:-1])
-    return ba.layouts.paged(list(qo_lens), tables, list(kv_lens), page_size=page, num_pages=int(perm.size))
+    tables = [t.tolist() for t in np.split(perm[:sum(need)], np.cumsum(need)[:-1])]
+    return dict(qo_lens=list(qo_lens), page_tables=tables, kv_lens=list(kv_lens), page_size=page,
+                num_pages=int(perm.size))
+
+
+def paged_case(rng, **kwargs):
+    return ba.layouts.paged(**paged_raw(rng, **kwargs))
+
+
+def paged_problem(rng, variant=ba.Variant(), seed=0, **kwargs):
+    """A :func:`paged_raw` layout with 4 query heads over 2 KV heads, head_dim 16."""
+    return Problem(named_case("paged", paged_raw(rng, **kwargs)), 4, 2, 16, variant, seed)
 
 
 # ---- layouts and storage views ------------------------------------------------------------------------
 
-def _layout_case(kind, rng):
-    """``(layout, storage view)`` for each storage view the tier reads by strides."""
+def _layout_problem(kind, rng, hq, hkv):
+    """A problem in each storage view the tier reads by strides (``"flat"``: the 3-D ``[N, Hkv, D]`` pool)."""
     if kind == "dense":
-        return ba.layouts.dense(20, 33), "NHD"
-    if kind == "ragged (affine path)":
-        return ba.layouts.ragged([2, 1, 3], [30, 65, 9]), "NHD3"
-    if kind == "paged NHD":
-        return paged_case(rng), "NHD"
-    if kind == "paged HND":
-        return paged_case(rng, page=5), "HND"
-    if kind == "vector_sparse 3-D":
-        tokens = [rng.choice(90, size=n, replace=False) for n in (40, 7)]
-        return ba.layouts.vector_sparse(tokens, [2, 1], num_slots=90), "NHD3"
-    if kind == "block_sparse with mask":
+        case = named_case("dense", dict(qo_len=20, kv_len=33))
+    elif kind == "ragged (affine path)":
+        case = named_case("ragged", dict(qo_lens=[2, 1, 3], kv_lens=[30, 65, 9]), "flat")
+    elif kind == "paged NHD":
+        case = named_case("paged", paged_raw(rng))
+    elif kind == "paged HND":
+        case = named_case("paged", paged_raw(rng, page=5), "HND")
+    elif kind == "vector_sparse 3-D":
+        tokens = [rng.choice(90, size=n, replace=False).tolist() for n in (40, 7)]
+        case = named_case("vector_sparse", dict(token_indices=tokens, qo_lens=[2, 1], num_slots=90), "flat")
+    elif kind == "block_sparse with mask":
         mask = rng.random((4, 2, 4)) < 0.7
-        return ba.layouts.block_sparse([0, 3, 4], [5, 0, 2, 3], M=4, N=24, R=2, C=4, mask=mask), "NHD"
-    if kind == "tree":
-        return ba.layouts.tree([[-1, 0, 0, 1, 3], [-1]], [[4, 1, 6], [0, 2]], kv_lens=[21, 9], page_size=8,
-                               num_pages=7), "NHD"
-    raise AssertionError(kind)
-
-
-def _kv_for(layout, view, hkv, d, rng):
-    shape = {"NHD": (layout.num_blocks, layout.block_size, hkv, d), "HND": (layout.num_blocks, hkv, layout.block_size, d),
-             "NHD3": (layout.num_blocks, hkv, d)}[view]
-    return pool(rng, *shape), pool(rng, *shape), "HND" if view == "HND" else "NHD"
+        case = named_case("block_sparse", dict(indptr=[0, 3, 4], indices=[5, 0, 2, 3], M=4, N=24, R=2, C=4, mask=mask))
+    elif kind == "tree":
+        case = named_case("tree", dict(parents=[[-1, 0, 0, 1, 3], [-1]], page_tables=[[4, 1, 6], [0, 2]],
+                                       kv_lens=[21, 9], page_size=8, num_pages=7))
+    else:
+        raise AssertionError(kind)
+    return Problem(case, hq, hkv, 16, ba.Variant(causal=kind != "block_sparse with mask"), seed=1)
 
 
 @pytest.mark.parametrize("kind", ["dense", "ragged (affine path)", "paged NHD", "paged HND", "vector_sparse 3-D",
                                   "block_sparse with mask", "tree"])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 1)], ids=["mha", "gqa4"])
 def test_layouts_and_views(kind, heads):
-    rng = np.random.default_rng(1)
-    layout, view = _layout_case(kind, rng)
-    hq, hkv = heads
-    k, v, kv_layout = _kv_for(layout, view, hkv, 16, rng)
-    q = pool(rng, layout.nnz_qo, hq, 16)
-    variant = ba.Variant(causal=kind != "block_sparse with mask")
-    got = ba.attention(tensor(q), tensor(k), tensor(v), layout, variant=variant, kv_layout=kv_layout,
-                       backend="torch", return_lse=True)
-    check(got, reference_of(q, k, v, layout, variant, kv_layout), name=kind)
+    problem = _layout_problem(kind, np.random.default_rng(1), *heads)
+    check_attention(_attention(problem), problem, "float32", name=kind)
 
 
 def test_quest_per_head_views():
     rng = np.random.default_rng(2)
-    hq, hkv, d, page = 4, 2, 16, 4
-    tables, kv_lens = [rng.permutation(12)[:9], rng.permutation(12)[:5]], [35, 18]
-    selected = [[[0, 3, 8], [2, 5]], [[1, 4], [0, 2, 3, 4]]]
-    layout = ba.layouts.quest(tables, kv_lens, selected, page_size=page, num_pages=12, num_kv_heads=hkv)
-    q, k, v = pool(rng, 2, hq, d), pool(rng, 12, hkv, page, d), pool(rng, 12, hkv, page, d)
-    views = ba.layouts.per_head_views(tensor(q), tensor(k), tensor(v), hkv)
-    got = ba.attention(*views, layout, backend="torch", return_lse=True)
-    check(got, ba.attention(*ba.layouts.per_head_views(q, k, v, hkv), layout, return_lse=True))
+    raw = dict(page_tables=[rng.permutation(12)[:9].tolist(), rng.permutation(12)[:5].tolist()], kv_lens=[35, 18],
+               selected_pages=[[[0, 3, 8], [2, 5]], [[1, 4], [0, 2, 3, 4]]], page_size=4, num_pages=12,
+               num_kv_heads=2)
+    problem = Problem(named_case("quest", raw, "quest", 2), 4, 2, 16, ba.Variant(), seed=2)
+    check_attention(_attention(problem), problem, "float32", name="quest")
 
 
 # ---- variants, through split plans --------------------------------------------------------------------
@@ -128,29 +137,20 @@ VARIANTS = {
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_variants_with_split_plans(name):
-    variant = VARIANTS[name]
-    rng = np.random.default_rng(3)
-    layout = paged_case(rng)
-    q, k, v = pool(rng, layout.nnz_qo, 4, 16), pool(rng, layout.num_blocks, 8, 2, 16), pool(rng, layout.num_blocks, 8, 2, 16)
-    want = reference_of(q, k, v, layout, variant)
+    problem = paged_problem(np.random.default_rng(3), VARIANTS[name], seed=3)
     for options in (dict(num_ctas=2, fixed_split_size=13), dict(num_ctas=3, disable_split_kv=True)):
-        attn = ba.BatchAttention(backend="torch")
-        attn.plan(layout, 4, 2, 16, variant=variant, **options)
+        run, attn = _batch(problem, **options)
+        check_attention(run, problem, "float32", name=f"{name} {options}")
         assert (attn.work_plans[0].num_merges > 0) == ("fixed_split_size" in options)
-        got = attn.run(tensor(q), tensor(k), tensor(v), return_lse=not variant.use_sigmoid)
-        check(got, want, sigmoid=variant.use_sigmoid, name=f"{name} {options}")
 
 
 def test_masked_rows_give_zero_and_minus_inf():
     # Row 0: 3 queries over 1 key, causal: queries 0 and 1 sit at positions -2 and -1 and see nothing.
-    layout = ba.layouts.ragged([3, 2], [1, 6])
-    rng = np.random.default_rng(4)
-    q, k, v = pool(rng, 5, 2, 16), pool(rng, 7, 1, 16), pool(rng, 7, 1, 16)
-    variant = ba.Variant(causal=True, window_left=0)
-    out, lse = ba.attention(tensor(q), tensor(k), tensor(v), layout, variant=variant, backend="torch", return_lse=True)
-    check((out, lse), reference_of(q, k, v, layout, variant))
-    assert (to_numpy(out)[:2] == 0).all() and (to_numpy(lse)[:2] == -np.inf).all()
-    assert np.isfinite(to_numpy(lse)[2:]).all()
+    case = named_case("ragged", dict(qo_lens=[3, 2], kv_lens=[1, 6]), "flat")
+    problem = Problem(case, 2, 1, 16, ba.Variant(causal=True, window_left=0), seed=4)
+    out, lse = check_attention(_attention(problem), problem, "float32", name="masked rows")
+    assert (out[:2] == 0).all() and (lse[:2] == -np.inf).all()
+    assert np.isfinite(lse[2:]).all()
 
 
 # ---- dtypes -------------------------------------------------------------------------------------------
@@ -159,44 +159,38 @@ def test_masked_rows_give_zero_and_minus_inf():
 def test_half_precision(dtype):
     if dtype == "bfloat16" and tcfg.interpreting():
         pytest.skip(INTERPRETER_BF16)
-    rng = np.random.default_rng(5)
-    layout = paged_case(rng)
+    problem = paged_problem(np.random.default_rng(5), ba.Variant(causal=True), seed=5)
     tdt = getattr(torch, dtype)
-    q, k, v = (tensor(pool(rng, *s), tdt) for s in ((layout.nnz_qo, 4, 16), (layout.num_blocks, 8, 2, 16),
-                                                     (layout.num_blocks, 8, 2, 16)))
-    variant = ba.Variant(causal=True)
-    attn = ba.BatchAttention(backend="torch")
-    attn.plan(layout, 4, 2, 16, variant=variant, num_ctas=2, fixed_split_size=16)
-    out, lse = attn.run(q, k, v, return_lse=True)
-    assert out.dtype == tdt and lse.dtype == torch.float32
-    check((out, lse), reference_of(q, k, v, layout, variant), dtype)
+    run, attn = _batch(problem, tdt, num_ctas=2, fixed_split_size=16)
+
+    def typed(q, k, v, kv_layout):
+        out, lse = run(q, k, v, kv_layout)
+        assert out.dtype == tdt and lse.dtype == torch.float32
+        return out, lse
+
+    check_attention(typed, problem, dtype, name=f"torch {dtype}")
 
 
 @pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
 def test_fp8_kv_with_scales(fp8):
-    rng = np.random.default_rng(6)
-    layout = paged_case(rng)
-    k8 = torch.as_tensor(pool(rng, layout.num_blocks, 8, 2, 16)).to(getattr(torch, fp8)).to(DEVICE)
-    v8 = torch.as_tensor(pool(rng, layout.num_blocks, 8, 2, 16)).to(getattr(torch, fp8)).to(DEVICE)
-    q = tensor(pool(rng, layout.nnz_qo, 4, 16), torch.float16)
-    variant = ba.Variant(causal=True, logits_soft_cap=4.0)
-    got = ba.attention(q, k8, v8, layout, variant=variant, backend="torch", return_lse=True, k_scale=0.7,
-                       v_scale=1.3)
-    k64, v64 = (to_numpy(x).astype(np.float64) for x in (k8, v8))
-    want = ba.attention(to_numpy(q).astype(np.float64), k64 * 0.7, v64 * 1.3, layout, variant=variant,
-                        return_lse=True)
-    check(got, want, fp8)
+    problem = paged_problem(np.random.default_rng(6), ba.Variant(causal=True, logits_soft_cap=4.0), seed=6)
+    q, k, v = raw_tensors(problem, "float16")
+    tensors = q, rounded(k, fp8), rounded(v, fp8)
+    check_attention(_attention(problem, torch.float16, getattr(torch, fp8), k_scale=0.7, v_scale=1.3), problem,
+                    "float16", tensors, kv_dtype=fp8, k_scale=0.7, v_scale=1.3, name=f"torch {fp8}")
 
 
 def test_numpy_inputs_come_back_as_numpy():
-    rng = np.random.default_rng(7)
-    layout = paged_case(rng)
-    q = pool(rng, layout.nnz_qo, 4, 16).astype(np.float16)
-    k, v = (pool(rng, layout.num_blocks, 8, 2, 16).astype(ml_dtypes.float8_e4m3fn) for _ in range(2))
-    out, lse = ba.attention(q, k, v, layout, backend="torch", return_lse=True, k_scale=0.5)
-    assert isinstance(out, np.ndarray) and out.dtype == np.float16 and lse.dtype == np.float32
-    want = ba.attention(q.astype(np.float64), k.astype(np.float64) * 0.5, v.astype(np.float64), layout, return_lse=True)
-    check((out, lse), want, "float8_e4m3fn")
+    problem = paged_problem(np.random.default_rng(7), seed=7)
+    q, k, v = raw_tensors(problem, "float16")
+
+    def run(q, k, v, kv_layout):
+        out, lse = ba.attention(q, k, v, problem.case.layout, backend="torch", return_lse=True, k_scale=0.5)
+        assert isinstance(out, np.ndarray) and out.dtype == np.float16 and lse.dtype == np.float32
+        return out, lse
+
+    check_attention(run, problem, "float16", (q, rounded(k, "float8_e4m3fn"), rounded(v, "float8_e4m3fn")),
+                    kv_dtype="float8_e4m3fn", k_scale=0.5, name="torch NumPy fp8")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
@@ -229,19 +223,24 @@ def test_plan_options_pick_decode_and_prefill_tiles():
 # ---- out= / lse= buffers ------------------------------------------------------------------------------
 
 def test_out_and_lse_buffers_are_written_and_returned():
-    rng = np.random.default_rng(8)
-    layout = paged_case(rng)
-    q, k, v = pool(rng, layout.nnz_qo, 4, 16), pool(rng, layout.num_blocks, 8, 2, 16), pool(rng, layout.num_blocks, 8, 2, 16)
-    want = reference_of(q, k, v, layout, ba.Variant())
-    out, lse = torch.full(q.shape, float("nan"), device=DEVICE), torch.full(q.shape[:2], float("nan"), device=DEVICE)
-    got_o, got_lse = ba.attention(tensor(q), tensor(k), tensor(v), layout, backend="torch", out=out, lse=lse,
-                                  return_lse=True)
-    assert got_o is out and got_lse is lse
-    check((out, lse), want)
-    out_np, lse_np = np.full(q.shape, np.nan, np.float32), np.full(q.shape[:2], np.nan, np.float32)
-    got_o = ba.attention(q, k, v, layout, backend="torch", out=out_np, lse=lse_np)
-    assert got_o is out_np
-    check((out_np, lse_np), want)
+    problem = paged_problem(np.random.default_rng(8), seed=8)
+    layout = problem.case.layout
+
+    def into_tensors(q, k, v, kv_layout):
+        out = torch.full(q.shape, float("nan"), device=DEVICE)
+        lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
+        got_o, got_lse = ba.attention(tensor(q), tensor(k), tensor(v), layout, backend="torch", out=out, lse=lse,
+                                      return_lse=True)
+        assert got_o is out and got_lse is lse
+        return out, lse
+
+    def into_arrays(q, k, v, kv_layout):
+        out, lse = np.full(q.shape, np.nan, np.float32), np.full(q.shape[:2], np.nan, np.float32)
+        assert ba.attention(q, k, v, layout, backend="torch", out=out, lse=lse) is out
+        return out, lse
+
+    for run in (into_tensors, into_arrays):
+        check_attention(run, problem, "float32", name=run.__name__)
 
 
 # ---- plan / run: buffers refilled in place ------------------------------------------------------------
@@ -249,25 +248,31 @@ def test_out_and_lse_buffers_are_written_and_returned():
 def test_replan_refills_buffers_in_place_and_replays():
     """The CPU analogue of a CUDA-graph replay: the op's arguments from the first run, after a re-plan."""
     rng = np.random.default_rng(9)
-    lay_a = paged_case(rng, qo_lens=(1, 1, 1), kv_lens=(45, 12, 70))
-    lay_b = ba.layouts.paged([1, 1, 1], [[0, 1, 2], [7, 6, 5, 4, 3], [9]], kv_lens=[17, 33, 2], page_size=8,
-                             num_pages=lay_a.num_blocks)
-    q, k, v = pool(rng, 3, 4, 16), pool(rng, lay_a.num_blocks, 8, 2, 16), pool(rng, lay_a.num_blocks, 8, 2, 16)
-    qt, kt, vt = tensor(q), tensor(k), tensor(v)
+    plan_a = paged_problem(rng, qo_lens=(1, 1, 1), kv_lens=(45, 12, 70), seed=9)
+    lay_a = plan_a.case.layout
+    plan_b = Problem(named_case("paged", dict(qo_lens=[1, 1, 1], page_tables=[[0, 1, 2], [7, 6, 5, 4, 3], [9]],
+                                              kv_lens=[17, 33, 2], page_size=8, num_pages=lay_a.num_blocks)),
+                     4, 2, 16, ba.Variant())
+    tensors = raw_tensors(plan_a, "float32")
+    qt, kt, vt = (tensor(x) for x in tensors)
     attn = ba.BatchAttention(backend="torch")
     attn.plan(lay_a, 4, 2, 16, num_ctas=3)
     runner_a = attn._runners[0]
     out, lse = torch.empty_like(qt), torch.empty(3, 4, device=DEVICE)
-    check(runner_a.run(qt, kt, vt, out=out, lse=lse), reference_of(q, k, v, lay_a, ba.Variant()), name="plan A")
+
+    def launch(*_):
+        # runner_a launches exactly what it launched the first time (plan A's config, the same buffers).
+        out.fill_(float("nan"))
+        runner_a.run(qt, kt, vt, out=out, lse=lse)
+        return out, lse
+
+    check_attention(launch, plan_a, "float32", tensors, name="plan A")
     buffers, pointer = runner_a.buffers, runner_a.buffers.raw.data_ptr()
 
-    attn.plan(lay_b, 4, 2, 16, num_ctas=3)
+    attn.plan(plan_b.case.layout, 4, 2, 16, num_ctas=3)
     assert attn._runners[0].buffers is buffers and buffers.raw.data_ptr() == pointer
     assert attn.work_plans[0].num_merges > 0
-    out.fill_(float("nan"))
-    # runner_a launches exactly what it launched before (plan A's config, the same buffers): a replay.
-    runner_a.run(qt, kt, vt, out=out, lse=lse)
-    check((out, lse), reference_of(q, k, v, lay_b, ba.Variant()), name="replayed launch, plan B")
+    check_attention(launch, plan_b, "float32", tensors, name="replayed launch, plan B")
 
     big = paged_case(rng, qo_lens=(1,) * 20, kv_lens=(40,) * 20, extra=0)
     with pytest.warns(RuntimeWarning, match="recapture any CUDA graph"):
@@ -289,18 +294,13 @@ def test_same_plan_same_bits():
 
 
 def test_cascade_through_attention_and_batch_attention():
-    rng = np.random.default_rng(11)
-    casc = ba.layouts.shared_prefix([2, 1, 1], [0, 3, 5], 21, [[1], [2, 4], []], [5, 11, 0], page_size=8,
-                                    num_pages=6)
-    q, k, v = pool(rng, 4, 4, 16), pool(rng, 6, 8, 2, 16), pool(rng, 6, 8, 2, 16)
+    case = named_case("shared_prefix", dict(qo_lens=[2, 1, 1], prefix_pages=[0, 3, 5], prefix_len=21,
+                                            suffix_page_tables=[[1], [2, 4], []], suffix_lens=[5, 11, 0],
+                                            page_size=8, num_pages=6))
     for variant in (ba.Variant(causal=True), ba.Variant(sigmoid_bias=0.3)):
-        want = reference_of(q, k, v, casc, variant)
-        sig = variant.use_sigmoid
-        check(ba.attention(tensor(q), tensor(k), tensor(v), casc, variant=variant, backend="torch", return_lse=not sig),
-              want, sigmoid=sig)
-        attn = ba.BatchAttention(backend="torch")
-        attn.plan(casc, 4, 2, 16, variant=variant, num_ctas=2)
-        check(attn.run(tensor(q), tensor(k), tensor(v), return_lse=not sig), want, sigmoid=sig)
+        problem = Problem(case, 4, 2, 16, variant, seed=11)
+        check_attention(_attention(problem), problem, "float32", name=f"cascade {variant}")
+        check_attention(_batch(problem, num_ctas=2)[0], problem, "float32", name=f"cascade plan {variant}")
 
 
 # ---- merge kernels ------------------------------------------------------------------------------------
@@ -318,12 +318,12 @@ def test_merge_kernels():
         lse_r = to_numpy(lse_t).astype(np.float64)
         name = str(dtype).removeprefix("torch.")
         got_o, got_lse = be.merge_states(o_t, lse_t)
-        want_o, want_lse = reference.merge_states(o_r, lse_r)
+        want_o, want_lse = naive_merge(o_r, lse_r)
         assert got_o.dtype == dtype
         assert_close(got_o, want_o, "merge", name)
         assert_close(got_lse, want_lse, "merge", "float32")
         got_o, got_lse = be.merge_state(o_t[:, 0], lse_t[:, 0], o_t[:, 3], lse_t[:, 3])
-        want_o, want_lse = reference.merge_state(o_r[:, 0], lse_r[:, 0], o_r[:, 3], lse_r[:, 3])
+        want_o, want_lse = naive_merge(o_r[:, [0, 3]], lse_r[:, [0, 3]])
         assert_close(got_o, want_o, "merge", name)
         assert_close(got_lse, want_lse, "merge", "float32")
         assert_close(be.add_states(o_t[:, 0], o_t[:, 1]), o_r[:, 0] + o_r[:, 1], "merge", name)
