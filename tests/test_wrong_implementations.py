@@ -2,7 +2,9 @@
 
 Each test hands a broken implementation to the same check the real one passes (``helpers``' layout, split
 and plan checks, driven by the same strategies and edge cases) and asserts that the check raises, for the
-right reason. A checker that let one of these through would be a test that cannot fail.
+right reason. A checker that let one of these through would be a test that cannot fail. The sloppy float16
+implementations are what the error budget of ``bsrattn.testing`` exists to reject: a budget loose enough to
+let them through would pass anything.
 """
 
 from __future__ import annotations
@@ -15,24 +17,29 @@ import pytest
 from hypothesis import Phase, given, settings
 
 import bsrattn as ba
-from bsrattn import scheduler
-from helpers import check_layout_attention, check_plan_coverage, check_split_merge, reference_impl
+from bsrattn import indexing, scheduler
+from bsrattn.reference import kv_as_slots
+from bsrattn.reference.microkernel import scores
+from bsrattn.testing import assert_close
+from bsrattn.validation import make_spec
+from helpers import (call_inputs, check_layout_attention, check_plan_coverage, check_split_merge, naive_attention,
+                     raw_tensors, reference_impl)
 from strategies import EDGE_CASES, SPLIT_PROBLEMS, problems
 
 # Rejection needs one failing draw, not the smallest one: no shrinking, one error reported.
-HUNT = settings(max_examples=60, phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False, database=None)
+HUNT = settings(max_examples=200, phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False, database=None)
 
 
-def rejects_layout_impl(impl):
-    """Run the layout check on ``impl``, on random problems and on the edge cases, each of which must reject
-    it on its own; return the messages of the AssertionErrors raised."""
+def rejects_layout_impl(impl, dtype="float64"):
+    """Run the layout check on ``impl`` in ``dtype``, on random problems and on the edge cases, each of which must
+    reject it on its own; return the messages of the AssertionErrors raised."""
     @HUNT
     @given(problems())
     def check(problem):
-        check_layout_attention(impl, problem)
+        check_layout_attention(impl, problem, dtype)
 
     messages = []
-    for run in (check, lambda: [check_layout_attention(impl, p) for p in EDGE_CASES.values()]):
+    for run in (check, lambda: [check_layout_attention(impl, p, dtype) for p in EDGE_CASES.values()]):
         with pytest.raises(AssertionError) as caught:
             run()
         messages.append(str(caught.value))
@@ -54,7 +61,8 @@ def rejects_merge_impl(merge_states_fn):
 def test_the_checks_pass_the_reference():
     """The control: the same checks, on the real implementations, raise nothing."""
     for problem in EDGE_CASES.values():
-        check_layout_attention(reference_impl, problem)
+        for dtype in ("float64", "float16"):
+            check_layout_attention(reference_impl, problem, dtype)
     check_plan_coverage(scheduler.plan([2, 1], [37, 5], num_ctas=4), [2, 1], [37, 5])
 
 
@@ -103,6 +111,78 @@ def gqa_modulo_impl(q, k, v, layout, variant, kv_layout):
 
 def test_gqa_head_mapping_by_modulo_is_rejected():
     assert "out" in rejects_layout_impl(gqa_modulo_impl)
+
+
+# ---- sloppy float16 -------------------------------------------------------------------------------------
+
+def one_percent_noise_impl(q, k, v, layout, variant, kv_layout):
+    """The reference's answer, each output element 1% too large or too small (a fixed pattern)."""
+    out, lse = reference_impl(q, k, v, layout, variant, kv_layout)
+    sign = np.where(np.arange(out.size).reshape(out.shape) % 3 == 0, -1.0, 1.0)
+    return (out * (1 + 0.01 * sign)).astype(out.dtype), lse
+
+
+def float16_accumulator_impl(q, k, v, layout, variant, kv_layout):
+    """Online softmax one key at a time whose running sum and output accumulator are stored in float16 after
+    every key, where a kernel keeps them in float32 (scores, max and exponentials are exact enough: float64)."""
+    layout = layout.flatten() if isinstance(layout, ba.Cascade) else layout
+    half = np.float16
+    kv_view = "NHD3" if k.ndim == 3 else kv_layout
+    spec = make_spec(layout, q.shape[1], k.shape[1 if kv_view != "NHD" else 2], q.shape[2], variant, kv_view=kv_view)
+    k_slots, v_slots = kv_as_slots(k, spec), kv_as_slots(v, spec)
+    group = spec.group_size
+    out = np.zeros(q.shape, half)
+    lse = np.full(q.shape[:2], np.nan if variant.use_sigmoid else -np.inf)
+    for r in range(layout.num_rows):
+        qs, qe = int(layout.qo_indptr[r]), int(layout.qo_indptr[r + 1])
+        qo_len, kv_len = qe - qs, int(layout.kv_lens[r])
+        q_pos, k_pos = indexing.query_position(qo_len, kv_len, np.arange(qo_len)), np.arange(kv_len)
+        slots = layout.kv_slots(r)
+        s = scores(np.asarray(q[qs:qe], np.float64), k_slots[slots], q_pos, k_pos, variant, spec.sm_scale)
+        seen = indexing.key_visible(q_pos[:, None], k_pos[None, :], variant.causal, variant.window_left)
+        if layout.row_mask(r) is not None:
+            seen = seen & layout.row_mask(r)
+        for i in range(qo_len):
+            for h in range(q.shape[1]):
+                m, total, acc = -np.inf, half(0), np.zeros(q.shape[2], half)
+                for j in np.flatnonzero(seen[i]):
+                    value = v_slots[slots[j], h // group]
+                    if variant.use_sigmoid:
+                        acc = (acc + value / (1 + np.exp(-(s[h, i, j] + variant.sigmoid_bias)))).astype(half)
+                        continue
+                    m_new = max(m, s[h, i, j])
+                    alpha, p = np.exp(m - m_new), np.exp(s[h, i, j] - m_new)
+                    total, acc, m = half(total * alpha + p), (acc * alpha + p * value).astype(half), m_new
+                out[qs + i, h] = acc if variant.use_sigmoid or total == 0 else acc / total
+                if not variant.use_sigmoid and total > 0:
+                    lse[qs + i, h] = m + np.log(total)
+    return out, None if variant.use_sigmoid else lse
+
+
+def test_one_percent_noise_in_float16_is_rejected():
+    """Everywhere: 1% is 12 to 80 times the naive float16 error of every edge case, so a budget whose factor let
+    it through anywhere would be that much too loose."""
+    assert "budget" in rejects_layout_impl(one_percent_noise_impl, "float16")
+    for name, problem in EDGE_CASES.items():
+        with pytest.raises(AssertionError, match="budget"):
+            check_layout_attention(one_percent_noise_impl, problem, "float16")
+
+
+def test_a_float16_accumulator_is_rejected():
+    assert "budget" in rejects_layout_impl(float16_accumulator_impl, "float16")
+
+
+def test_the_float16_table_rejects_one_percent_noise():
+    """The table's fixed tolerances serve comparisons with no naive counterpart (GPU scripts, benchmarks):
+    they too must reject what no float16 kernel should do."""
+    problem = EDGE_CASES["page shared by two requests, ALiBi"]
+    q, k, v = raw_tensors(problem, "float16")
+    want_o, _ = naive_attention(problem, q, k, v)
+    q_c, k_c, v_c, kv_layout = call_inputs(problem.case, q, k, v)
+    got_o, _ = one_percent_noise_impl(*(x.astype(np.float16) for x in (q_c, k_c, v_c)), problem.case.layout,
+                                      problem.variant, kv_layout)
+    with pytest.raises(AssertionError, match="atol 0.004, rtol 0.004"):
+        assert_close(got_o, want_o, "attention", "float16")
 
 
 # ---- merge --------------------------------------------------------------------------------------------
