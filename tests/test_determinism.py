@@ -18,7 +18,7 @@ import bsrattn as ba
 from bsrattn import scheduler
 from bsrattn.reference import attend, execute
 from bsrattn.validation import make_spec
-from helpers import as_float64, call_inputs, query_views, raw_tensors
+from helpers import as_float64, call_inputs, canonical_pool, query_views, raw_tensors
 from strategies import paged_problem, problems
 from test_tiers import TIERS, load_tier
 
@@ -95,7 +95,7 @@ def _reference_split_run(problem, q, k, v):
     spec = make_spec(layout, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim, variant)
     out, lse = execute(work_plan, spec, q, k, v, dtype=np.float32)
     views = query_views(problem.case)
-    pool_k, pool_v = (x.reshape(-1, *x.shape[2:]) for x in (k, v))
+    pool_k, pool_v = (canonical_pool(problem.case, x).astype(np.float32) for x in (k, v))
     part_o = np.zeros((work_plan.num_partial_rows, *q.shape[1:]), np.float32)
     part_lse = np.zeros(part_o.shape[:2], np.float32)
     for w in np.flatnonzero(work_plan.item_partial >= 0):

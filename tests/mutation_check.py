@@ -1,0 +1,311 @@
+"""Deliberate faults in the library, each of which some test must catch (STYLE.md item 10).
+
+Every entry of :data:`MUTANTS` is applied on its own to a fresh copy of the repository's ``bsrattn/`` and
+``tests/`` (with ``conftest.py`` and ``pyproject.toml``) in a temporary directory; the tests it names are run
+there with ``python -m pytest``, the copy first on ``PYTHONPATH`` so that it, not the installed package, is
+what gets imported (checked once before any mutant runs). A mutant is *killed* when those tests fail; one
+that passes them *survives*, and a test suite that lets a fault survive guards nothing. The working tree is
+only read.
+
+An entry is one line::
+
+    Mutant(name, file, snippet, replacement, tests)
+
+``name`` says what the fault is; ``file`` is a path from the repository root; ``snippet`` is exact source
+text that must occur in ``file`` exactly once (a snippet that no longer occurs, or occurs twice, is an
+error: the list must follow the code); ``replacement`` is what it becomes (a fault in two places of one
+file: a tuple of snippets and a tuple of their replacements); ``tests`` are pytest node ids (from the
+repository root) that must fail on the mutant, chosen fast. Before the mutants, the union of all
+named tests runs once on the unmutated copy and must pass, so a kill always means the fault was caught.
+
+Run ``python tests/mutation_check.py [--jobs N] [NAME ...]``: it prints each mutant's outcome, the kill rate
+and the survivors, and exits non-zero unless every mutant is killed. ``tests/test_mutations.py`` runs it in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import py_compile
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("bsrattn", "tests", "conftest.py", "pyproject.toml")
+TIMEOUT_S = 240  # per pytest run; a mutant that hangs its tests this long counts as caught
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    snippet: str | tuple
+    replacement: str | tuple
+    tests: tuple
+
+    @property
+    def edits(self) -> list:
+        """``[(snippet, replacement)]``."""
+        if isinstance(self.snippet, str):
+            return [(self.snippet, self.replacement)]
+        return list(zip(self.snippet, self.replacement, strict=True))
+
+
+# The tests the entries run, by what they exercise.
+REFERENCE = ("tests/test_wrong_implementations.py::test_the_checks_pass_the_reference",)
+NUMBA = ("tests/test_numba_tier.py::test_every_layout_kind", "tests/test_numba_tier.py::test_gqa_ratios_and_storage")
+TORCH = ("tests/test_torch_tier.py::test_variants_with_split_plans",)
+FLOAT16_BUDGET = ("tests/test_wrong_implementations.py::test_one_percent_noise_in_float16_is_rejected",
+                  "tests/test_wrong_implementations.py::test_a_float16_accumulator_is_rejected")
+COVERAGE = ("tests/test_scheduler.py::test_plan_covers_every_row_and_kv_slot_exactly_once",)
+
+
+def plan_order(tier):
+    return (f"tests/test_determinism.py::test_split_rows_fold_their_chunks_in_the_plan_order[{tier}]",)
+
+
+def index_order(tier):
+    return (f"tests/test_determinism.py::test_merge_states_folds_in_index_order[{tier}]",)
+
+
+def large_lse(tier):
+    return (f"tests/test_tiers.py::test_merge_of_large_lses_does_not_overflow[{tier}]",)
+
+
+MUTANTS = (
+    # merge order
+    Mutant("fold order reversed: reference executor", "bsrattn/reference/executor.py",
+           "merge_partials[work_plan.merge_indptr[m]:work_plan.merge_indptr[m + 1]]",
+           "merge_partials[work_plan.merge_indptr[m]:work_plan.merge_indptr[m + 1]][::-1]", plan_order("reference")),
+    Mutant("fold order reversed: reference merge_states", "bsrattn/reference/merge.py",
+           "acc_o, acc_lse = o[:, 0], lse[:, 0]\n    for s in range(1, o.shape[1]):",
+           "acc_o, acc_lse = o[:, -1], lse[:, -1]\n    for s in range(o.shape[1] - 2, -1, -1):", index_order("reference")),
+    Mutant("fold order reversed: numba plan merge kernel", "bsrattn/numba_cuda/merge.py",
+           "p = merge_partials[first] + i\n            o = part_o[p, head, d]\n            s = zero if sigmoid else "
+           "part_lse[p, head]\n            for n in range(first + 1, last):",
+           "p = merge_partials[last - 1] + i\n            o = part_o[p, head, d]\n            s = zero if sigmoid else "
+           "part_lse[p, head]\n            for n in range(last - 2, first - 1, -1):", plan_order("numba")),
+    Mutant("fold order reversed: numba merge_states", "bsrattn/numba_cuda/merge.py",
+           "value, s = dec_o(o[b, 0, h, d]), dec_lse(lse[b, 0, h])\n            for state in range(1, o.shape[1]):",
+           "value, s = dec_o(o[b, -1, h, d]), dec_lse(lse[b, -1, h])\n            "
+           "for state in range(o.shape[1] - 2, -1, -1):", index_order("numba")),
+    Mutant("fold order reversed: torch fold_partials", "bsrattn/torch_cuda/merge.py",
+           ("tl.load(merge_partials + lo), row", "tl.load(merge_partials + j), row"),
+           ("tl.load(merge_partials + hi - 1), row", "tl.load(merge_partials + lo + hi - 1 - j), row"),
+           plan_order("torch")),
+    Mutant("fold order reversed: torch merge_states", "bsrattn/torch_cuda/merge.py",
+           "    for s in range(1, num_states):\n        row_s = base + s * num_heads",
+           "    last = base + (num_states - 1) * num_heads\n    o = tl.load(o_ptr + last[:, None] * HEAD_DIM + d[None, :], "
+           "mask=valid[:, None] & cols, other=0.0).to(tl.float32)\n    lse = tl.load(lse_ptr + last, mask=valid, "
+           "other=float(\"-inf\")).to(tl.float32)\n    for s in range(num_states - 2, -1, -1):\n"
+           "        row_s = base + s * num_heads", index_order("torch")),
+    # the formulas
+    Mutant("base-2 LSE: reference microkernel", "bsrattn/reference/microkernel.py",
+           "lse = m_safe.T + np.log(denom)", "lse = (m_safe.T + np.log(denom)) / np.log(2.0)", REFERENCE),
+    Mutant("base-2 LSE: numba microkernel", "bsrattn/numba_cuda/microkernel.py",
+           "s = m_run[i] + math.log(l_run[i])", "s = m_run[i] + math.log2(l_run[i])", NUMBA),
+    Mutant("base-2 LSE: torch microkernel", "bsrattn/torch_cuda/microkernel.py",
+           "(m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2", "(m_i + tl.log2(tl.where(has_keys, l_i, 1.0)))",
+           TORCH),
+    Mutant("default scale 1/head_dim, not 1/sqrt(head_dim)", "bsrattn/variant.py",
+           "1.0 / math.sqrt(head_dim)", "1.0 / head_dim", REFERENCE),
+    Mutant("soft cap without the division: cap * tanh(s)", "bsrattn/reference/microkernel.py",
+           "s = cap * np.tanh(s / cap)", "s = cap * np.tanh(s)", REFERENCE),
+    Mutant("ALiBi bias of the wrong sign", "bsrattn/reference/microkernel.py",
+           "(k_pos[None, None, :] - q_pos[None, :, None])", "(q_pos[None, :, None] - k_pos[None, None, :])",
+           REFERENCE),
+    Mutant("online softmax without the rescale: numba accumulator", "bsrattn/numba_cuda/microkernel.py",
+           "a, j = (acc[n] if sigmoid else acc[n] * alpha[i]), 0", "a, j = acc[n], 0", NUMBA),
+    Mutant("online softmax without the rescale: torch accumulator", "bsrattn/torch_cuda/microkernel.py",
+           "acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(", TORCH),
+    # masks and positions
+    Mutant("causal off by one: k_pos < q_pos", "bsrattn/indexing.py",
+           "((k_pos <= q_pos) | (not causal))", "((k_pos < q_pos) | (not causal))", REFERENCE),
+    Mutant("sliding window exclusive", "bsrattn/indexing.py",
+           "(q_pos - k_pos <= window_left))", "(q_pos - k_pos < window_left))", REFERENCE),
+    Mutant("queries top-left aligned", "bsrattn/indexing.py", "return kv_len - qo_len + i", "return i", REFERENCE),
+    # indexing and layouts
+    Mutant("GQA head mapping h % num_kv_heads: reference microkernel", "bsrattn/reference/microkernel.py",
+           "k = np.repeat(k.astype(dtype), group, axis=1)", "k = np.tile(k.astype(dtype), (1, group, 1))", REFERENCE),
+    Mutant("GQA head mapping: numba queries", "bsrattn/numba_cuda/microkernel.py",
+           "q[q_row0 + i // group, kv_head * group + i % group, d]",
+           "q[q_row0 + i // group, kv_head + i % group * (q.shape[1] // group), d]", NUMBA),
+    Mutant("GQA head mapping h % num_kv_heads: torch kernel", "bsrattn/torch_cuda/executor.py",
+           "head = kv_head * GROUP + m % GROUP\n            q_local",
+           "head = kv_head + m % GROUP * num_kv_heads\n            q_local", TORCH),
+    Mutant("block slot without the block size", "bsrattn/indexing.py",
+           "kv_indices[row_block_start + i // block_size] * block_size + i % block_size",
+           "kv_indices[row_block_start + i // block_size] + i % block_size", REFERENCE),
+    Mutant("HND storage read as NHD: reference gather", "bsrattn/reference/gather.py",
+           "x = x.transpose(0, 2, 1, 3)", "x = x", REFERENCE),
+    Mutant("last partial page dropped from kv_len", "bsrattn/layout.py",
+           "(nblocks.astype(np.int64) - 1) * self.block_size + self.kv_last_len",
+           "(nblocks.astype(np.int64) - (self.kv_last_len < self.block_size)) * self.block_size", REFERENCE),
+    Mutant("kv_len computed in int32", "bsrattn/layout.py",
+           "(nblocks.astype(np.int64) - 1)", "(nblocks.astype(np.int32) - 1)",
+           ("tests/test_bad_inputs.py::test_a_row_longer_than_int32_is_refused_not_wrapped",)),
+    Mutant("float ids truncated, not refused", "bsrattn/layout.py",
+           'if arr.dtype.kind not in "iu" and arr.size:', 'if arr.dtype.kind not in "iuf" and arr.size:',
+           ("tests/test_bad_inputs.py::test_floats_are_refused_where_integers_go",)),
+    # merge
+    Mutant("merge without the max shift: reference", "bsrattn/reference/merge.py",
+           "m_safe = np.where(m == -np.inf, dt.type(0), m)", "m_safe = np.zeros_like(m)", large_lse("reference")),
+    Mutant("merge without the max shift: numba", "bsrattn/numba_cuda/merge.py",
+           "w_a, w_b = math.exp(s_a - m), math.exp(s_b - m)", "m = zero\n        w_a, w_b = math.exp(s_a), math.exp(s_b)",
+           large_lse("numba")),
+    Mutant("merge without the max shift: torch", "bsrattn/torch_cuda/merge.py",
+           'm_safe = tl.where(m == float("-inf"), 0.0, m)\n    w_a', 'm_safe = tl.zeros_like(m)\n    w_a',
+           large_lse("torch")),
+    Mutant("cascade levels not merged: the last level's state alone", "bsrattn/api.py",
+           "o, s = backend.merge_state(o, s, o_b, s_b)", "o, s = o_b, s_b", REFERENCE),
+    Mutant("cascade prefix level causal", "bsrattn/layout.py",
+           "return variant if level == len(self.levels) - 1 else replace(variant, causal=False)", "return variant",
+           REFERENCE),
+    # plans
+    Mutant("plan covers a slot twice: chunk ends one past the next start", "bsrattn/scheduler.py",
+           "min((c + 1) * chunk, kv[r])", "min((c + 1) * chunk + 1, kv[r])", COVERAGE),
+    # tolerances
+    Mutant("float16 budget factor loosened 100x", "bsrattn/testing.py",
+           '("attention", "float16"): Budget(2.0, 1e-3)', '("attention", "float16"): Budget(200.0, 1e-3)',
+           FLOAT16_BUDGET),
+    Mutant("float16 budget atol loosened 100x", "bsrattn/testing.py",
+           '("attention", "float16"): Budget(2.0, 1e-3)', '("attention", "float16"): Budget(2.0, 1e-1)',
+           FLOAT16_BUDGET),
+    Mutant("float16 table tolerance loosened to 1", "bsrattn/testing.py",
+           '("attention", "float16"): (4e-3, 4e-3)', '("attention", "float16"): (1.0, 1.0)',
+           ("tests/test_wrong_implementations.py::test_the_float16_table_rejects_one_percent_noise",)),
+)
+
+
+@dataclass
+class Outcome:
+    mutant: Mutant
+    status: str  # "killed", "survived" or "error"
+    detail: str
+    seconds: float
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _pytest(workdir: Path, tests) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def copy_repository(target: Path) -> Path:
+    """``bsrattn/``, ``tests/``, ``conftest.py`` and ``pyproject.toml`` of the working tree, copied to ``target``."""
+    target.mkdir(parents=True)
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, target / name, ignore=shutil.ignore_patterns(".hypothesis"))
+        else:
+            shutil.copy2(source, target / name)
+    return target
+
+
+def check_imports_the_copy(workdir: Path):
+    """Raise unless ``import bsrattn`` from ``workdir`` (as :func:`_pytest` runs) finds the copy."""
+    env = dict(os.environ, PYTHONPATH=str(workdir))
+    found = subprocess.run([sys.executable, "-c", "import bsrattn; print(bsrattn.__file__)"], cwd=workdir, env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(found).resolve().is_relative_to(workdir.resolve()):
+        raise RuntimeError(f"the copy in {workdir} does not shadow the installed package: bsrattn is {found}")
+
+
+def mutate(mutant: Mutant, workdir: Path):
+    """Apply ``mutant`` to the copy in ``workdir``; raise ValueError unless each snippet occurs exactly once."""
+    path = workdir / mutant.file
+    source = path.read_text()
+    for snippet, replacement in mutant.edits:
+        count = source.count(snippet)
+        if count != 1:
+            raise ValueError(f"{mutant.file}: the snippet occurs {count} times (must be exactly once): {snippet!r}")
+        source = source.replace(snippet, replacement)
+    path.write_text(source)
+    py_compile.compile(str(path), doraise=True)
+
+
+def run_mutant(mutant: Mutant, base: Path, scratch: Path) -> Outcome:
+    start = time.perf_counter()
+    workdir = scratch / mutant.name.replace(" ", "_").replace(":", "").replace("/", "_")
+    shutil.copytree(base, workdir)
+    try:
+        mutate(mutant, workdir)
+    except (ValueError, py_compile.PyCompileError) as err:
+        return Outcome(mutant, "error", str(err), time.perf_counter() - start)
+    try:
+        result = _pytest(workdir, mutant.tests)
+    except subprocess.TimeoutExpired:
+        return Outcome(mutant, "killed", f"its tests ran past {TIMEOUT_S} s", time.perf_counter() - start)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    # 1: a test failed; 2: collecting the tests failed, which the control run shows only the fault can cause.
+    if result.returncode in (1, 2):
+        failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        return Outcome(mutant, "killed", failed[0] if failed else _tail(result.stdout, 3), seconds)
+    if result.returncode == 0:
+        return Outcome(mutant, "survived", f"passed: {' '.join(mutant.tests)}", seconds)
+    return Outcome(mutant, "error", f"pytest exit code {result.returncode}:\n{_tail(result.stdout + result.stderr)}",
+                   seconds)
+
+
+def run(names=(), jobs: int = 2, out=sys.stdout) -> list:
+    """Run the control and the mutants (all, or those named), ``jobs`` at a time; return their outcomes."""
+    chosen = [m for m in MUTANTS if not names or m.name in names]
+    unknown = set(names) - {m.name for m in MUTANTS}
+    if unknown:
+        raise ValueError(f"no mutants named {sorted(unknown)}")
+    with tempfile.TemporaryDirectory(prefix="bsrattn-mutants-") as scratch:
+        scratch = Path(scratch)
+        base = copy_repository(scratch / "base")
+        check_imports_the_copy(base)
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            control_tests = sorted({t for m in chosen for t in m.tests})
+            control = pool.submit(_pytest, base, control_tests)
+            outcomes = []
+            for outcome in pool.map(lambda m: run_mutant(m, base, scratch), chosen):
+                print(f"{outcome.status:>8}  {outcome.mutant.name}  ({outcome.seconds:.0f} s)  {outcome.detail}",
+                      file=out, flush=True)
+                outcomes.append(outcome)
+            control = control.result()
+    if control.returncode != 0:
+        raise RuntimeError(f"the named tests fail without any mutation (exit code {control.returncode}):\n"
+                           f"{_tail(control.stdout + control.stderr)}")
+    return outcomes
+
+
+def report(outcomes, seconds: float, out=sys.stdout) -> bool:
+    """Print the kill rate, the survivors and the broken entries; whether every mutant was killed."""
+    killed = sum(o.status == "killed" for o in outcomes)
+    print(f"\nkilled {killed} of {len(outcomes)} mutants ({100 * killed / max(1, len(outcomes)):.0f}%) "
+          f"in {seconds:.0f} s", file=out)
+    for status in ("survived", "error"):
+        for o in outcomes:
+            if o.status == status:
+                print(f"{status.upper()}: {o.mutant.name} ({o.mutant.file})\n    {o.detail}", file=out)
+    return killed == len(outcomes)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="run only these mutants (default: all)")
+    parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default: 2)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    outcomes = run(args.names, args.jobs)
+    return 0 if report(outcomes, time.perf_counter() - start) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

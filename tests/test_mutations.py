@@ -1,0 +1,21 @@
+"""CI's mutation check: every deliberate fault of ``tests/mutation_check.py`` must make a test fail.
+
+Marked ``mutation`` (a few minutes on two cores); deselect it locally with ``-m "not mutation"``.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+import mutation_check
+
+pytestmark = pytest.mark.mutation
+
+
+def test_every_mutant_is_killed():
+    log = io.StringIO()
+    outcomes = mutation_check.run(jobs=2, out=log)
+    assert len(outcomes) >= 25
+    assert mutation_check.report(outcomes, 0.0, out=log), log.getvalue()
