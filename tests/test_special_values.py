@@ -243,9 +243,9 @@ def test_merge_states_fold_skips_empty_states_and_keeps_nan(tier):
 def _workspaces(attn):
     """The buffers a tier keeps between launches, poisoned by the test: (tensors to fill with garbage)."""
     runner = attn._runners[0]
-    if hasattr(runner, "buffers"):  # torch: counters, partial states
+    if hasattr(runner, "buffers"):  # torch: merge counters and flags, partial states
         b = runner.buffers
-        return [(b.counters, 7), (b.part_o, float("nan")), (b.part_lse, float("nan"))]
+        return [(b.sync, 7), (b.part_o, float("nan")), (b.part_lse, float("nan"))]
     if hasattr(runner, "_workspace"):  # numba: partial states
         return [(x, float("nan")) for pair in runner._workspace.values() for x in pair]
     return []

@@ -34,6 +34,8 @@ CONFIGS = {
     "prefill fp16, sigmoid, window, G1, d64, no lse": ("float16", "float16", 64, 1, 128, "NHD3", 1,
                                                        dict(sigmoid=True, window_left=256, store_lse=False)),
     "prefill fp32 (IEEE dots), causal": ("float32", "float32", 128, 4, 32, "NHD", 16, dict(causal=True)),
+    "prefill bf16, causal, the second launch (REDO)": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1,
+                                                       dict(causal=True, redo=True)),
     "prefill bf16, d256, causal, ALiBi": ("bfloat16", "bfloat16", 256, 4, 32, "NHD", 16,
                                           dict(causal=True, alibi=True)),
 }
@@ -85,7 +87,7 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
     lse = torch.empty((32, hq)) if config.store_lse else buffers.no_lse
     scalars = cfg.Scalars(0.088, 1.0, 30.0, 0.0)
     _, args, kwargs = launch_args(q, k, v, torch.empty_like(q), lse, buffers, config, scalars)
-    return args, kwargs
+    return args, dict(kwargs, REDO=flags.get("redo", False))
 
 
 def _merge_launches(dtype):

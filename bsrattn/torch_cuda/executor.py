@@ -15,8 +15,15 @@ num_kv_heads)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for KV
    bump completes the count is the last to finish, and it folds the tile's partial states **in the plan's
    order** (:func:`~bsrattn.torch_cuda.merge.fold_partials`) into the output. Which program merges depends
    on timing; what it computes does not, so the result is bitwise deterministic, with no floating-point
-   atomics and no second launch. The counters are cleared before every launch (:func:`launch`, inside a
-   captured graph too), so no launch depends on what an earlier one left in them, finished or not.
+   atomics and no second launch for the merge. The counters are cleared before every launch (:func:`launch`,
+   inside a captured graph too), so no launch depends on what an earlier one left in them, finished or not.
+5. **Hidden keys' NaNs.** Under masks that hide keys from some queries (causal, window, custom mask), a
+   hidden key's NaN or infinity would reach ``p @ v`` as ``0 * NaN``. Dropping such values in every masked
+   tile puts ``v`` through registers and cost 44% at prefill (W3 16 x 1024 on the H200, NOTES.md); an
+   inlined second pass, never run on finite inputs, still cost 17-20%. So the launch only flags each item (or merge)
+   whose output came out non-finite, and a second launch of the same kernel (``REDO``) computes just the
+   flagged ones again, dropping hidden values (``DROP_HIDDEN``), and merges again the merges they belong to.
+   On finite inputs the second launch reads one flag per item and stops.
 
 No program waits for another, so the grid needs no co-residency. Everything that changes between plans
 is read from device buffers (:mod:`~bsrattn.torch_cuda.plan_buffers`), so a CUDA graph captured around a
@@ -61,7 +68,7 @@ def _store_state(o_ptr, lse_ptr, rows, head, valid, d, o, lse,  # rows, head, va
 @triton.jit
 def persistent_attention(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, out [nnz_qo, Hq, D]; k, v: storage view; lse [nnz_qo, Hq]
-        part_o, part_lse, counters,  # [partial_rows, Hq, D] f32; [partial_rows, Hq] f32; [merges, Hkv] i32
+        part_o, part_lse, sync,  # [partial_rows, Hq, D] f32; [partial_rows, Hq] f32; [3*M + W, Hkv] i32
         cta_indptr, items, merge_partials,  # [num_ctas+1]; [W, ITEM_STRIDE]; [P]
         kv_indices, mask_ptr, alibi_ptr,  # [nnz] i32; [mask elements] u8; [Hq] f32
         stride_qn, stride_qh, stride_qd,
@@ -71,12 +78,17 @@ def persistent_attention(
         stride_ln, stride_lh,
         stride_pn, stride_ph, stride_pln, stride_plh,
         qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-        num_kv_heads,
+        num_kv_heads, merge_rows,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr, STORE_LSE: tl.constexpr,
-        DENSE_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+        DENSE_ROWS: tl.constexpr, PRECISION: tl.constexpr, REDO: tl.constexpr):
+    # sync: rows [0, M) count a merge's partial states as they land, [M, 2M) the same in the second launch,
+    # [2M, 3M) flag the merges whose output came out non-finite, [3M, 3M + W) flag such items (M = merge_rows).
+    HIDDEN_KEYS: tl.constexpr = CAUSAL or HAS_WINDOW or CUSTOM_MASK
+    merge_flags = sync + 2 * merge_rows * num_kv_heads
+    item_flags = sync + 3 * merge_rows * num_kv_heads
     cta = tl.program_id(0)
     kv_head = tl.program_id(1)
     k_head = k_ptr + kv_head * stride_kh
@@ -99,6 +111,12 @@ def persistent_attention(
         if CUSTOM_MASK:
             mask_start = tl.load(item + _MASK_START)
         n_rows = (qo_end - qo_start) * GROUP
+        compute = True
+        joins = merge >= 0
+        if REDO:
+            compute = tl.load(item_flags + w * num_kv_heads + kv_head) != 0
+            joins = (merge >= 0) & (tl.load(merge_flags + tl.maximum(merge, 0) * num_kv_heads + kv_head) != 0)
+            n_rows = tl.where(compute, n_rows, 0)
         for m0 in range(0, n_rows, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
             valid_m = m < n_rows
@@ -125,17 +143,21 @@ def persistent_attention(
                 lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
                 stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
                 HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE_ROWS, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
-                SIGMOID, CUSTOM_MASK, PRECISION)
+                SIGMOID, CUSTOM_MASK, PRECISION, REDO)
+            if HIDDEN_KEYS and not REDO:
+                if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:  # a non-finite row: the second launch redoes the item
+                    tl.store(item_flags + w * num_kv_heads + kv_head, 1)
             if partial < 0:
                 _store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
                              stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
             else:
                 _store_state(part_o, part_lse, partial + rel, head, valid_m, d, o, lse, stride_pn, stride_ph, 1,
                              stride_pln, stride_plh, HEAD_DIM, not SIGMOID)
-        if merge >= 0:
+        if joins:
+            n_rows = (qo_end - qo_start) * GROUP
             parts_lo = tl.load(item + _PARTS_LO)
             parts_hi = tl.load(item + _PARTS_HI)
-            counter = counters + merge * num_kv_heads + kv_head
+            counter = sync + ((merge_rows if REDO else 0) + merge) * num_kv_heads + kv_head
             # Every thread's partial-state stores precede the one release that publishes them.
             tl.debug_barrier()
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -150,6 +172,9 @@ def persistent_attention(
                                            SIGMOID)
                     _store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on,
                                  stride_oh, stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
+                    if HIDDEN_KEYS and not REDO:
+                        if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:
+                            tl.store(merge_flags + merge * num_kv_heads + kv_head, 1)
 
 
 def launch_args(q, k, v, out, lse, buffers, config, scalars):
@@ -160,26 +185,29 @@ def launch_args(q, k, v, out, lse, buffers, config, scalars):
     false. Shapes, dtypes and devices are the caller's to check.
     """
     sec = buffers.section
-    args = (q, k, v, out, lse, buffers.part_o, buffers.part_lse, buffers.counters,
+    args = (q, k, v, out, lse, buffers.part_o, buffers.part_lse, buffers.sync,
             sec("cta_indptr"), sec("items"), sec("merge_partials"), sec("kv_indices"), buffers.mask, buffers.alibi,
             q.stride(0), q.stride(1), q.stride(2), *kv_strides(k, config.kv_view), *kv_strides(v, config.kv_view),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             buffers.part_o.stride(0), buffers.part_o.stride(1), buffers.part_lse.stride(0), buffers.part_lse.stride(1),
             scalars.qk_scale, scalars.v_scale, scalars.soft_cap, config.window_left, scalars.sigmoid_bias,
-            config.num_kv_heads)
+            config.num_kv_heads, buffers.merge_rows)
     kwargs = dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=config.block_size,
                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
                   CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap,
                   ALIBI=config.alibi, SIGMOID=config.sigmoid, CUSTOM_MASK=config.custom_mask,
                   STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
-                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32", REDO=False,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     return (config.num_ctas, config.num_kv_heads), args, kwargs
 
 
 def launch(q, k, v, out, lse, buffers, config, scalars):
-    """Clear the merge counters, then launch :func:`persistent_attention` (arguments as :func:`launch_args`)."""
+    """Clear the merge counters and flags, then launch :func:`persistent_attention` (arguments as
+    :func:`launch_args`), and again with ``REDO`` under masks that hide keys."""
     grid, args, kwargs = launch_args(q, k, v, out, lse, buffers, config, scalars)
-    buffers.counters.zero_()
+    buffers.sync.zero_()
     with interpreter_turn():
         persistent_attention[grid](*args, **kwargs)
+        if config.causal or config.window_left >= 0 or config.custom_mask:
+            persistent_attention[grid](*args, **dict(kwargs, REDO=True))

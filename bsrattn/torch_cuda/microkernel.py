@@ -12,10 +12,10 @@ Must match :mod:`bsrattn.reference.microkernel` (``scores``, ``attend``, ``atten
 - Masks: position masks (causal, sliding window) use :func:`bsrattn.indexing.key_visible`, re-decorated.
 - Numbers that are not numbers follow the reference's rules. ``p @ v`` cannot leave out a hidden pair (its
   weight 0 times a NaN ``v`` is NaN): where masks hide keys from some queries, a tile whose output has a
-  non-finite row is recomputed with ``v``'s non-finite values replaced by 0, each query recording whether a
-  key it sees had one (``bad``; :func:`attend_range`). Elsewhere every loaded key is visible and the NaN or
-  infinity reaches the accumulator by itself. A row with a non-finite accumulator, or marked ``bad``, is
-  all NaN.
+  non-finite row is computed again (by the executor's second launch) with ``v``'s non-finite values replaced
+  by 0, each query recording whether a key it sees had one (``bad``, :func:`drop_hidden`). Elsewhere every
+  loaded key is visible and the NaN or infinity reaches the accumulator by itself. A row with a non-finite
+  accumulator, or marked ``bad``, is all NaN.
 """
 
 from __future__ import annotations
@@ -169,16 +169,19 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, s
 
 
 @triton.jit
-def attend_pass(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_pos, q_local, slopes [BLOCK_M]
-                k_head, v_head, kv_indices, row_block_start, row_first_slot, kv_start, kv_end, kv_len,
-                mask_ptr, mask_start,
-                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr,
-                PRECISION: tl.constexpr, DROP_HIDDEN: tl.constexpr):
-    """One pass of :func:`attend_range`; ``DROP_HIDDEN`` drops hidden keys' non-finite values in masked tiles.
+def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_pos, q_local, slopes [BLOCK_M]
+                 k_head, v_head, kv_indices, row_block_start, row_first_slot, kv_start, kv_end, kv_len,
+                 mask_ptr, mask_start,
+                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                 qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr,
+                 PRECISION: tl.constexpr, DROP_HIDDEN: tl.constexpr):
+    """State of a query tile over the row's logical KV slots ``kv_start:kv_end`` (reference ``attend_range``).
+
+    ``DROP_HIDDEN`` drops hidden keys' non-finite values in the masked tiles (:func:`drop_hidden`): the
+    executor's second launch does, for the tiles the first one found non-finite.
 
     ``k_head``/``v_head`` point at the KV head's first element; ``q_pos`` is non-decreasing along the tile;
     ``row_first_slot >= 0`` takes the dense load path when ``DENSE_ROWS`` (see :mod:`~bsrattn.torch_cuda.gather`).
@@ -218,37 +221,3 @@ def attend_pass(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_p
             DENSE_ROWS, True, DROP_HIDDEN, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, CUSTOM_MASK, PRECISION)
         blocks = ahead
     return finish(acc, m_i, l_i, bad, v_scale, SIGMOID)
-
-
-@triton.jit
-def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_pos, q_local, slopes [BLOCK_M]
-                 k_head, v_head, kv_indices, row_block_start, row_first_slot, kv_start, kv_end, kv_len,
-                 mask_ptr, mask_start,
-                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                 qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """State of a query tile over the row's logical KV slots ``kv_start:kv_end`` (reference ``attend_range``).
-
-    Where masks hide keys from some queries (causal, window, custom mask), a hidden key's NaN or infinity
-    would reach ``p @ v`` as ``0 * NaN``. Dropping hidden values in every masked tile costs the kernel
-    registers on every input (measured on the H200: W3 16 x 1024 579 -> 836 us), so the first pass uses ``v``
-    as loaded, and only a tile whose output has a non-finite row (rare: NaN or inf in the inputs) is
-    recomputed with them dropped (:func:`drop_hidden`). Both passes give the same bits on finite inputs.
-    """
-    o, lse = attend_pass(q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices, row_block_start,
-                         row_first_slot, kv_start, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks,
-                         stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, v_scale, soft_cap, window_left,
-                         sigmoid_bias, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE_ROWS, CAUSAL,
-                         HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, CUSTOM_MASK, PRECISION, False)
-    if CAUSAL or HAS_WINDOW or CUSTOM_MASK:
-        if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:
-            o, lse = attend_pass(q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices, row_block_start,
-                                 row_first_slot, kv_start, kv_end, kv_len, mask_ptr, mask_start, stride_kb,
-                                 stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, v_scale, soft_cap,
-                                 window_left, sigmoid_bias, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-                                 DENSE_ROWS, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, CUSTOM_MASK, PRECISION,
-                                 True)
-    return o, lse

@@ -11,8 +11,8 @@ fullgraph=True)`` traces a function calling them without a graph break and witho
 | ``bsrattn::add_states`` | ``o_a + o_b`` (FlashSigmoid's merge) |
 
 ``attention_run`` takes the plan's buffers as tensors and its :class:`~bsrattn.torch_cuda.config.LaunchConfig`,
-section offsets and :class:`~bsrattn.torch_cuda.config.Scalars` as lists, the only argument kinds an op
-schema has. Validation happens before the op is called (:mod:`bsrattn.torch_cuda.runner`).
+section offsets (then the merge rows of ``sync``) and :class:`~bsrattn.torch_cuda.config.Scalars` as lists,
+the only argument kinds an op schema has. Validation happens before the op is called (:mod:`bsrattn.torch_cuda.runner`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from bsrattn.torch_cuda.plan_buffers import SECTIONS
 class _BufferView:
     """The :class:`~bsrattn.torch_cuda.plan_buffers.PlanBuffers` interface the executor reads, from op arguments."""
 
-    def __init__(self, plan, mask, part_o, part_lse, counters, sections):
-        self.plan, self.mask, self.part_o, self.part_lse, self.counters = plan, mask, part_o, part_lse, counters
+    def __init__(self, plan, mask, part_o, part_lse, sync, sections):
+        self.plan, self.mask, self.part_o, self.part_lse, self.sync = plan, mask, part_o, part_lse, sync
+        self.merge_rows = sections[-1]
         self.offsets = {name: (sections[2 * i], sections[2 * i + 1]) for i, name in enumerate(SECTIONS)}
 
     def section(self, name):
@@ -40,17 +41,17 @@ class _BufferView:
         return self.section("alibi").view(torch.float32)
 
 
-@torch.library.custom_op("bsrattn::attention_run", mutates_args=("out", "lse", "part_o", "part_lse", "counters"))
+@torch.library.custom_op("bsrattn::attention_run", mutates_args=("out", "lse", "part_o", "part_lse", "sync"))
 def attention_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   plan: torch.Tensor, mask: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
-                  counters: torch.Tensor, sections: list[int], config: list[int], scalars: list[float]) -> None:
+                  sync: torch.Tensor, sections: list[int], config: list[int], scalars: list[float]) -> None:
     """Run the persistent attention kernel; ``out [nnz_qo, Hq, D]`` and ``lse [nnz_qo, Hq]`` are written in place."""
-    buffers = _BufferView(plan, mask, part_o, part_lse, counters, sections)
+    buffers = _BufferView(plan, mask, part_o, part_lse, sync, sections)
     executor.launch(q, k, v, out, lse, buffers, LaunchConfig.from_list(config), Scalars(*scalars))
 
 
 @attention_run.register_fake
-def _(q, k, v, out, lse, plan, mask, part_o, part_lse, counters, sections, config, scalars):
+def _(q, k, v, out, lse, plan, mask, part_o, part_lse, sync, sections, config, scalars):
     return None
 
 

@@ -207,9 +207,10 @@ class PlanBuffers:
     """The plan arrays, custom mask, partial-state workspace and merge counters of one runner, on ``device``.
 
     ``part_o [partial_rows, num_qo_heads, head_dim]`` and ``part_lse [partial_rows, num_qo_heads]`` (float32)
-    hold split items' partial states; ``counters [merges, num_kv_heads]`` (int32, cleared at the start of
-    every launch) count the partial states of each split tile as they land, so the CTA that writes the last
-    one merges.
+    hold split items' partial states; ``sync [3 * merges + items, num_kv_heads]`` (int32, cleared at the
+    start of every launch) holds the merge counters, which count the partial states of each split tile as
+    they land so that the CTA writing the last one merges, and the flags of the items and merges whose output
+    came out non-finite (``executor.py``).
     ``host_staging`` (default: on a CUDA device) fills a host copy, pinned on CUDA, and copies the bytes a
     plan uses to the device; without it the plan is written in place (the CPU, under the Triton interpreter).
     """
@@ -224,9 +225,11 @@ class PlanBuffers:
         for name, size in capacity.section_sizes(num_qo_heads).items():
             self.offsets[name] = (at, size)
             at += -(-max(size, 1) // _ALIGN) * _ALIGN
-        # Flat (offset, size) pairs in SECTIONS order: the form the attention op takes them in.
-        self.sections = [x for name in SECTIONS for x in self.offsets[name]]
-        self._section_at = self.sections[::2]
+        # Flat (offset, size) pairs in SECTIONS order, then the merge rows of ``sync``: the form the attention
+        # op takes them in.
+        pairs = [x for name in SECTIONS for x in self.offsets[name]]
+        self._section_at = pairs[::2]
+        self.sections = pairs + [capacity.merges]
         self._plan_bytes = 4 * at
         total = self._plan_bytes + max(capacity.mask, 1)
         self.device = device
@@ -245,8 +248,10 @@ class PlanBuffers:
         rows = max(capacity.partial_rows, 1)
         self.part_o = torch.zeros((rows, num_qo_heads, head_dim), dtype=torch.float32, device=device)
         self.part_lse = torch.zeros((rows, num_qo_heads), dtype=torch.float32, device=device)
-        # Empty without merges: clearing them before each launch (executor.launch) is then free.
-        self.counters = torch.zeros((capacity.merges, num_kv_heads), dtype=torch.int32, device=device)
+        # Merge counters for the first and the second launch, merge flags, item flags (executor.py, REDO).
+        self.merge_rows = capacity.merges
+        self.sync = torch.zeros((3 * capacity.merges + capacity.items, num_kv_heads), dtype=torch.int32,
+                                device=device)
         # Stands in for lse when the caller wants none: a launch always gets a tensor there.
         self.no_lse = torch.zeros((1, 1), dtype=torch.float32, device=device)
         self._turn = threading.Lock()

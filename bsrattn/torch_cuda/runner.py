@@ -10,7 +10,7 @@ outputs it is not given, and never synchronises with the host. The refill is an 
 current stream at ``plan`` time: run on that stream (or order the two), as with any stream-ordered write.
 One runner's workspace serves one launch at a time: calls from several threads or CUDA streams take turns
 (:meth:`~bsrattn.torch_cuda.plan_buffers.PlanBuffers.ordered`), and every launch clears its merge counters
-first, so none depends on what an earlier one left behind.
+and flags first, so none depends on what an earlier one left behind.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Runner:
                    float(spec.variant.logits_soft_cap), float(spec.variant.sigmoid_bias or 0.0)]
         b = self.buffers
         args = (q_t, k_t, v_t, out_t, b.no_lse if lse_t is None else lse_t, b.plan, b.mask, b.part_o, b.part_lse,
-                b.counters, b.sections, config.to_list(), scalars)
+                b.sync, b.sections, config.to_list(), scalars)
         if torch.compiler.is_compiling():  # traced: the compiled graph orders its launches
             torch.ops.bsrattn.attention_run(*args)
         else:
