@@ -43,6 +43,8 @@ TIMEOUT_S = 240  # per pytest run; a mutant that hangs its tests this long count
 
 @dataclass(frozen=True)
 class Mutant:
+    """One deliberate fault (see the module docstring for the fields)."""
+
     name: str
     file: str
     snippet: str | tuple
@@ -185,6 +187,8 @@ MUTANTS = (
 
 @dataclass
 class Outcome:
+    """What running one mutant's tests showed."""
+
     mutant: Mutant
     status: str  # "killed", "survived" or "error"
     detail: str
@@ -195,10 +199,14 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def _env(workdir: Path) -> dict:
+    """The environment with the copy in ``workdir`` first on ``PYTHONPATH``."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")])))
+
+
 def _pytest(workdir: Path, tests) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+                          cwd=workdir, env=_env(workdir), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def copy_repository(target: Path) -> Path:
@@ -215,9 +223,8 @@ def copy_repository(target: Path) -> Path:
 
 def check_imports_the_copy(workdir: Path):
     """Raise unless ``import bsrattn`` from ``workdir`` (as :func:`_pytest` runs) finds the copy."""
-    env = dict(os.environ, PYTHONPATH=str(workdir))
-    found = subprocess.run([sys.executable, "-c", "import bsrattn; print(bsrattn.__file__)"], cwd=workdir, env=env,
-                           capture_output=True, text=True, check=True).stdout.strip()
+    found = subprocess.run([sys.executable, "-c", "import bsrattn; print(bsrattn.__file__)"], cwd=workdir,
+                           env=_env(workdir), capture_output=True, text=True, check=True).stdout.strip()
     if not Path(found).resolve().is_relative_to(workdir.resolve()):
         raise RuntimeError(f"the copy in {workdir} does not shadow the installed package: bsrattn is {found}")
 
