@@ -160,8 +160,8 @@ def float16_accumulator_impl(q, k, v, layout, variant, kv_layout):
 
 
 def test_one_percent_noise_in_float16_is_rejected():
-    """Everywhere: 1% is 12 to 80 times the naive float16 error of every edge case, so a budget whose factor let
-    it through anywhere would be that much too loose."""
+    """Everywhere: 1% is at least 12 times the naive float16 error of every edge case, so a budget whose factor
+    let it through on any of them would be that much too loose."""
     assert "budget" in rejects_layout_impl(one_percent_noise_impl, "float16")
     for name, problem in EDGE_CASES.items():
         with pytest.raises(AssertionError, match="budget"):
