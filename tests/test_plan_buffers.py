@@ -49,7 +49,7 @@ def expected_sections(work_plan, layout, alibi_slopes=None) -> dict:
                      parts_lo=wp.merge_indptr[m] if m >= 0 else 0, parts_hi=wp.merge_indptr[m + 1] if m >= 0 else 0,
                      qo_first=layout.qo_indptr[r], qo_len=layout.qo_lens[r], kv_len=layout.kv_lens[r],
                      block_start=layout.kv_indptr[r], first_slot=slots[0] if affine else -1,
-                     mask_start=layout.mask_indptr[r], row=r)
+                     mask_start=layout.mask_indptr[r] if layout.custom_mask is not None else 0, row=r)
         rows.append([int(field[name]) for name in ITEM_FIELDS] + [0] * (ITEM_STRIDE - len(ITEM_FIELDS)))
     sections = {"cta_indptr": wp.cta_indptr, "items": np.array(rows, dtype=np.int32).reshape(-1),
                 "merge_partials": wp.merge_partials, "kv_indices": layout.kv_indices}
@@ -186,3 +186,12 @@ def test_a_refill_copies_only_the_bytes_the_plan_uses():
     want = ba.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), small, return_lse=True)
     assert_close(got[0], want[0], "attention", "float32", name="out after a partial copy")
     assert_close(got[1], want[1], "lse", "float32", name="lse after a partial copy")
+
+
+def test_a_prefill_past_int32_pairs_plans_without_a_mask():
+    """qo_len * kv_len past int32 matters only to a custom mask's offsets; without one the plan goes ahead."""
+    layout = ba.layouts.ragged([2**16], [2**16 + 1])
+    assert layout.mask_indptr[-1] > np.iinfo(np.int32).max
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout, 4, 2, 16)
+    assert attn.work_plans[0].num_items > 0

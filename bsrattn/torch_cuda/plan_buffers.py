@@ -49,7 +49,7 @@ ITEM_FIELDS = (
     "qo_first", "qo_len", "kv_len",  # the block row's first query row and lengths
     "block_start",  # kv_indptr of the block row
     "first_slot",  # first pool slot when the row's blocks are consecutive (the dense path), else -1
-    "mask_start",  # mask_indptr of the block row
+    "mask_start",  # mask_indptr of the block row (0 without a custom mask: then nothing reads it)
     "row",  # the block row
 )
 """The int32 fields of an item row, in order; the kernel reads them by these names (``ITEM``)."""
@@ -301,9 +301,14 @@ class PlanBuffers:
         One compiled pass (:func:`_pack`) writes every section into the host staging; the bytes the plan
         uses (:meth:`used_bytes`) then go to the device in one asynchronous copy (two with a custom mask).
         """
-        mask_indptr = layout.mask_indptr
-        if mask_indptr[-1] > _INT32_MAX:
-            raise ValueError(f"custom_mask has {mask_indptr[-1]} elements; the torch tier indexes it with int32")
+        if layout.custom_mask is None:
+            # No mask to index: a long prefill's qo_len * kv_len may pass int32, and the kernel reads no offset.
+            mask_indptr = np.zeros(layout.num_rows + 1, dtype=np.int64)
+        else:
+            mask_indptr = layout.mask_indptr
+            if mask_indptr[-1] > _INT32_MAX:
+                raise ValueError(f"custom_mask has {mask_indptr[-1]} elements; the torch tier indexes it with "
+                                 f"int32")
         if self._copied is not None:
             self._copied.synchronize()  # the previous refill's copy must have left the staging buffer
         alibi = _NO_ALIBI if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float32).view(np.int32)

@@ -23,8 +23,8 @@ import torch
 from bsrattn import scheduler
 from bsrattn.torch_cuda import config as cfg
 from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
-from bsrattn.torch_cuda.tensors import SUPPORTED, canonical_device, check_device, default_device, device_of, to_numpy, \
-    to_torch, write_back
+from bsrattn.torch_cuda.tensors import SUPPORTED, TORCH_DTYPES, canonical_device, check_device, check_interpretable, \
+    default_device, device_of, to_numpy, to_torch, write_back
 from bsrattn.validation import dtype_name
 
 
@@ -49,6 +49,7 @@ class Runner:
         previous = previous if isinstance(previous, Runner) else None
         if previous is None or previous.device != device:  # a runner's device was checked when it was made
             check_device(device)
+        check_interpretable("q", TORCH_DTYPES.get(spec.q_dtype))  # before any buffer is allocated
         need = Capacity.needed(work_plan, spec.layout)
         shape = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
         if previous is not None and previous.buffers.fits(need, *shape):
