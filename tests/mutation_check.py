@@ -76,6 +76,10 @@ def index_order(tier):
     return (f"tests/test_determinism.py::test_merge_states_folds_in_index_order[{tier}]",)
 
 
+def special(test):
+    return (f"tests/test_special_values.py::{test}",)
+
+
 def large_lse(tier):
     return (f"tests/test_tiers.py::test_merge_of_large_lses_does_not_overflow[{tier}]",)
 
@@ -169,6 +173,32 @@ MUTANTS = (
     Mutant("cascade prefix level causal", "bsrattn/layout.py",
            "return variant if level == len(self.levels) - 1 else replace(variant, causal=False)", "return variant",
            REFERENCE),
+    # numbers that are not numbers, and launches that share buffers
+    Mutant("counters not cleared before a torch launch", "bsrattn/torch_cuda/executor.py",
+           "    buffers.sync.zero_()\n", "", special("test_no_launch_depends_on_what_an_earlier_one_left[torch]")),
+    Mutant("NaN swallowed: numba finish decides empty from l > 0", "bsrattn/numba_cuda/microkernel.py",
+           ("elif l_run[i] == zero:", "if l_run[i] != zero else neg_inf"),
+           ("elif not l_run[i] > zero:", "if l_run[i] > zero else neg_inf"),
+           special("test_poisoned_inputs_follow_the_rules[numba-NaN k of a visible key-split plan]")),
+    Mutant("NaN swallowed: torch finish decides empty from l > 0", "bsrattn/torch_cuda/microkernel.py",
+           "has_keys = l_i != 0.0", "has_keys = l_i > 0.0",
+           special("test_poisoned_inputs_follow_the_rules[torch-NaN k of a visible key-one-shot]")),
+    Mutant("NaN swallowed: reference merge decides empty from total > 0", "bsrattn/reference/merge.py",
+           "lse = m_safe + np.log(total)", "lse = np.where(total > 0, m_safe + np.log(total), -np.inf)",
+           special("test_merge_special_states[reference]")),
+    Mutant("a hidden key's v used: reference", "bsrattn/reference/microkernel.py",
+           "v = np.where(finite, v, 0)", "v = v",
+           special("test_hidden_keys_leave_the_bits_unchanged[reference-NaN v of a causally hidden key]")),
+    Mutant("a hidden key's v used: numba", "bsrattn/numba_cuda/microkernel.py",
+           "if not hidden_keys or seen[i, j]:", "if True:",
+           special("test_hidden_keys_leave_the_bits_unchanged[numba-NaN v of a causally hidden key]")),
+    Mutant("a hidden key's v used: torch (no second launch)", "bsrattn/torch_cuda/executor.py",
+           "            persistent_attention[grid](*args, **dict(kwargs, REDO=True))",
+           "            pass",
+           special("test_hidden_keys_leave_the_bits_unchanged[torch-NaN v of a causally hidden key]")),
+    Mutant("an empty state's o read: numba merge", "bsrattn/numba_cuda/merge.py",
+           "t_a = zero if s_a == neg_inf else w_a * o_a", "t_a = w_a * o_a",
+           special("test_merge_special_states[numba]")),
     # plans
     Mutant("plan covers a slot twice: chunk ends one past the next start", "bsrattn/scheduler.py",
            "min((c + 1) * chunk, kv[r])", "min((c + 1) * chunk + 1, kv[r])", COVERAGE),
