@@ -92,6 +92,13 @@ def attention(q, k, v, layout, *, variant=None, backend=None, kv_layout="NHD", r
     These checks run before a tier is called. A tier adds its own: the devices it can use, and the torch tier
     under the Triton interpreter refuses bfloat16 ``q``/``k``/``v`` (``TypeError``), which it computes wrongly.
 
+    NaN and infinities, the same on every tier (per query row and head; see
+    :mod:`bsrattn.reference.microkernel`): a key the query cannot see (causal, window, custom mask, past its
+    row's end) never changes its answer, whatever it holds; a visible score of NaN or ``+inf`` makes ``out``
+    and ``lse`` NaN, a score of ``-inf`` weighs 0; a NaN or infinity in a visible key's ``v`` makes the whole
+    ``out`` row NaN (``lse`` unchanged). A NaN reaches only the rows that see it and is never reported as an
+    empty row.
+
     Examples
     --------
     >>> import numpy as np, bsrattn as ba
@@ -186,7 +193,14 @@ class BatchAttention:
         return [r.work_plan for r in self._runners]
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
-        """Execute the plan on ``q``, ``k``, ``v`` (shapes as in :func:`attention`); may be called many times."""
+        """Execute the plan on ``q``, ``k``, ``v`` (shapes as in :func:`attention`); may be called many times.
+
+        NaN and infinities follow :func:`attention`'s rules, however the plan splits the rows. Each call is
+        self-contained: it depends on nothing an earlier call left in the plan's buffers, whether that call
+        finished, overlapped or stopped part-way. Calls from several Python threads or CUDA streams take
+        turns over the buffers, so each gets its own answer; the replays of a captured CUDA graph are
+        ordered by whoever replays them.
+        """
         if not self._runners:
             raise RuntimeError("BatchAttention.run called before plan()")
         run_kwargs = dict(k_scale=k_scale, v_scale=v_scale)
@@ -223,6 +237,10 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, backend=None):
     ``o_a``, ``o_b`` ``[..., H, D]`` and ``lse_a``, ``lse_b`` ``[..., H]`` are arrays of real floats (float64,
     float32, float16, bfloat16); anything else, an integer, bool or complex array included, raises
     ``TypeError`` naming it, before any tier is called.
+
+    An empty state (``lse = -inf``) is the identity whatever its ``o`` holds, NaN included; an ``lse`` of NaN
+    or ``+inf`` in either state gives NaN ``o`` and ``lse``; a NaN in a non-empty state's ``o`` reaches the
+    result. The same on every tier.
 
     Examples
     --------
