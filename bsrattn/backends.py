@@ -1,8 +1,8 @@
 """The backend registry and the flag that picks a tier.
 
-A backend is a module implementing execution (see :class:`Backend` for the functions it provides). The
-registry is an explicit dict of name -> module path, imported lazily: importing :mod:`bsrattn` imports
-neither numba, torch nor triton. Which backend a call uses, first match wins:
+A backend is a module implementing execution: the functions named in :data:`TIER_FUNCTIONS`, called through
+:class:`Backend`. The registry is an explicit dict of name -> module path, imported lazily: importing
+:mod:`bsrattn` imports neither numba, torch nor triton. Which backend a call uses, first match wins:
 
 1. its ``backend=`` argument (a name or a :class:`Backend`);
 2. the innermost ``with bsrattn.use_backend(name):`` block;
@@ -50,15 +50,20 @@ class BackendError(RuntimeError):
     """
 
 
-class Backend:
-    """A named tier: a thin handle on its module, which provides
+TIER_FUNCTIONS = ("attention", "merge_state", "merge_states", "add_states", "plan_options", "make_runner")
+"""What a tier's module provides: the functions :class:`Backend` calls, and nothing else of the module."""
 
-    - ``attention(spec, q, k, v, *, out, lse, return_lse, k_scale, v_scale) -> (out, lse)``
-    - ``merge_state(o_a, lse_a, o_b, lse_b) -> (o, lse)``, ``merge_states(o, lse) -> (o, lse)``,
-      ``add_states(o_a, o_b) -> o`` (FlashSigmoid's merge)
-    - ``plan_options(spec) -> dict`` (``num_ctas``, ``tile_q``, ``min_split_size``, ``kv_align``)
-    - ``make_runner(spec, work_plan, previous=None)`` -> an object with ``run(q, k, v, *, out, lse,
-      return_lse, k_scale, v_scale) -> (out, lse)``; ``previous`` lets a tier refill its buffers in place.
+
+class Backend:
+    """A named tier: a handle on its module, which must provide each of :data:`TIER_FUNCTIONS`.
+
+    The methods below are the whole interface between the shared code and a tier; each calls the module's
+    function of the same name. The inputs were validated before a method is called (see :mod:`bsrattn.api`).
+
+    Raises
+    ------
+    TypeError
+        ``module`` lacks one of :data:`TIER_FUNCTIONS` (the message names the tier and what is missing).
 
     Examples
     --------
@@ -69,11 +74,44 @@ class Backend:
     """
 
     def __init__(self, name: str, module):
+        missing = [f for f in TIER_FUNCTIONS if not callable(getattr(module, f, None))]
+        if missing:
+            raise TypeError(f"backend {name!r} ({getattr(module, '__name__', module)!r}) does not provide "
+                            f"{missing}; a tier provides each of {list(TIER_FUNCTIONS)}")
         self.name = name
         self.module = module
 
-    def __getattr__(self, attr):
-        return getattr(self.module, attr)
+    def attention(self, spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+        """Attention over ``spec.layout`` (one BSRLayout): ``(out, lse)``, ``lse`` None unless ``return_lse``.
+
+        ``q [nnz_qo, num_qo_heads, head_dim]``, ``k``/``v`` as ``spec.kv_view`` says; ``out``/``lse`` are
+        buffers to write into, ``k_scale``/``v_scale`` the dequantisation scales of fp8 KV.
+        """
+        return self.module.attention(spec, q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale,
+                                     v_scale=v_scale)
+
+    def merge_state(self, o_a, lse_a, o_b, lse_b):
+        """The ⊕ of two states ``o [..., H, D]``, ``lse [..., H]``: ``(o, lse)``."""
+        return self.module.merge_state(o_a, lse_a, o_b, lse_b)
+
+    def merge_states(self, o, lse):
+        """Fold ``o [n, S, H, D]``, ``lse [n, S, H]`` over ``S`` in index order: ``(o [n, H, D], lse [n, H])``."""
+        return self.module.merge_states(o, lse)
+
+    def add_states(self, o_a, o_b):
+        """FlashSigmoid's merge, ``o_a + o_b`` (``[..., H, D]``): its weights are not normalised."""
+        return self.module.add_states(o_a, o_b)
+
+    def plan_options(self, spec) -> dict:
+        """The tier's keyword arguments to :func:`bsrattn.scheduler.plan` for ``spec``: ``num_ctas``, ``tile_q``,
+        ``min_split_size``, ``kv_align``."""
+        return self.module.plan_options(spec)
+
+    def make_runner(self, spec, work_plan, previous=None):
+        """An object with ``work_plan`` and ``run(q, k, v, *, out, lse, return_lse, k_scale, v_scale) -> (out,
+        lse)`` that executes ``work_plan``; ``previous`` (the runner of the last plan) lets a tier refill its
+        buffers in place."""
+        return self.module.make_runner(spec, work_plan, previous=previous)
 
     def __repr__(self):
         return f"Backend({self.name!r})"

@@ -152,3 +152,27 @@ def test_missing_dependency_names_the_fix(probe, monkeypatch, tier, package, fix
     message = re.escape(f"backend '{tier}' needs the package '{package}'") + ".*" + re.escape(f"pip install '{fix}'")
     with pytest.raises(ba.BackendError, match=message):
         ba.get_backend(tier)
+
+
+def test_backend_exposes_exactly_the_tier_functions():
+    methods = {name for name in vars(backends.Backend) if not name.startswith("_")}
+    assert methods == set(backends.TIER_FUNCTIONS)
+
+
+@pytest.mark.parametrize("tier", sorted(backends.REGISTRY))
+def test_each_tier_that_loads_provides_every_tier_function(tier):
+    try:
+        be = ba.get_backend(tier)
+    except ba.BackendError as err:
+        pytest.skip(f"{tier} tier unavailable: {err}")
+    assert all(callable(getattr(be.module, name, None)) for name in backends.TIER_FUNCTIONS)
+
+
+def test_a_tier_missing_a_function_is_refused_at_load(probe, monkeypatch):
+    module = sys.modules["bsrattn_probe_backend"]
+    monkeypatch.delattr(module, "add_states")
+    monkeypatch.setattr(module, "plan_options", None)
+    with pytest.raises(TypeError, match=re.escape("backend 'probe' ('bsrattn_probe_backend') does not provide "
+                                                  "['add_states', 'plan_options']")):
+        ba.get_backend("probe")
+    assert "probe" not in backends._loaded
