@@ -1,4 +1,4 @@
-"""The numba tier on a GPU: a memcheck target, and the Quest decode workload (``BENCHMARKS.md`` W1) timed.
+"""The numba tier on a GPU: a memcheck target, and the Quest decode workload (W1 of ``docs/benchmarks.md``) timed.
 
     python3 tests/gpu_numba_check.py                 # W1 at seq_len 32768, budgets 512 and 64
     python3 tests/gpu_numba_check.py --sweep         # W1 at budget 512 under other launch settings
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bsrattn as ba
 from bsrattn.testing import assert_close
 
-COPY_BANDWIDTH = 4.16e12  # bytes/s, read + written, measured on the H200 (BENCHMARKS.md)
+COPY_BANDWIDTH = 4.16e12  # bytes/s, read + written, measured on the H200 (docs/benchmarks.md)
 HEADS, HEAD_DIM, PAGE, SEQ_LEN = 32, 128, 16, 32768
 FLUSH_BYTES = 256 << 20
 

@@ -1,4 +1,4 @@
-"""The torch tier on a GPU: a memcheck run, and first timings of workload 1 (BENCHMARKS.md) beside SDPA.
+"""The torch tier on a GPU: a memcheck run, and first timings of workload 1 (docs/benchmarks.md) beside SDPA.
 
 Usage (on the H200)::
 
@@ -9,7 +9,7 @@ Usage (on the H200)::
 ragged causal prefill, each checked against the float64 reference, and nothing else, so that
 compute-sanitizer's report covers exactly the tier's kernels.
 
-The timing follows BENCHMARKS.md: correctness first (outputs poisoned with NaN, then compared with the
+The timing follows the suite's method (benchmarks/README.md): correctness first (outputs poisoned with NaN, then compared with the
 float64 reference), graph mode (the call captured in a CUDA graph and replayed), L2 flushed by zeroing a
 256 MiB buffer before each sample, CUDA events, the median of ``--samples`` samples after warm-up. SDPA with a
 boolean mask over the whole cache (a ready contiguous copy) is measured in the same run on the same data.

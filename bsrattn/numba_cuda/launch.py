@@ -1,6 +1,6 @@
 """Launch geometry: the tier's named tile sizes, on a GPU and under the CUDA simulator.
 
-On a GPU the sizes are chosen for bandwidth (the Quest decode workload of ``BENCHMARKS.md``): 4 warps per
+On a GPU the sizes are chosen for bandwidth (the Quest decode workload, W1 of ``docs/benchmarks.md``): 4 warps per
 block, 64 keys gathered per step (with fp16 and head_dim 128 the K and V tiles are 33 KB of shared memory),
 the next tile's loads in flight while a tile is computed, and a plan balanced over the blocks that are
 resident at once. ``tests/gpu_numba_check.py --sweep`` times the alternatives.
