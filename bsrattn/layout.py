@@ -91,6 +91,13 @@ def _check_indptr(name, indptr, length=None):
         raise ValueError(f"{name}[-1]={indptr[-1]} must equal {length}")
 
 
+def indptr_of(lengths) -> np.ndarray:
+    """``[len(lengths)+1]`` int64: the indptr of rows of these ``lengths``, ``0, l_0, l_0+l_1, …``."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class BSRLayout:
     """A KV-cache layout as a block-sparse-row matrix (host int32 arrays, validated on construction).
@@ -263,15 +270,15 @@ class BSRLayout:
         >>> lay.to_dense_mask(ba.Variant(causal=True)).astype(int).tolist()
         [[0, 0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1, 1, 0]]
         """
-        from bsrattn.variant import Variant
-
-        variant = Variant() if variant is None else variant
         dense = np.zeros((self.nnz_qo, self.num_slots), dtype=bool)
         for r in range(self.num_rows):
             slots = self.kv_slots(r)
             if np.unique(slots).size != slots.size:
                 raise ValueError(f"row {r} lists a KV slot more than once; a dense mask cannot represent that")
-            visible = variant.position_mask(int(self.qo_lens[r]), int(self.kv_lens[r]))
+            qo_len, kv_len = int(self.qo_lens[r]), int(self.kv_lens[r])
+            # No variant masks no position: the default Variant's mask, without importing variant (which imports
+            # this module).
+            visible = np.ones((qo_len, kv_len), bool) if variant is None else variant.position_mask(qo_len, kv_len)
             mask = self.row_mask(r)
             if mask is not None:
                 visible = visible & mask
@@ -319,6 +326,23 @@ class BSRLayout:
             needed += slots.size
             read += np.unique(slots // kernel_block_size).size * kernel_block_size
         return ReadAmplification(kernel_block_size, int(needed), int(read))
+
+    @classmethod
+    def from_slots(cls, slots, qo_lens, num_slots: int) -> "BSRLayout":
+        """The ``block_size=1`` layout whose row ``r`` has ``qo_lens[r]`` queries and reads pool slots
+        ``slots[r]`` (a 1-D integer array) in order; checked only as every layout is, on construction.
+
+        :func:`bsrattn.layouts.vector_sparse` is this with its arguments checked first.
+
+        Examples
+        --------
+        >>> import numpy as np, bsrattn as ba
+        >>> ba.BSRLayout.from_slots([np.array([9, 2, 5])], [1], num_slots=16).kv_slots(0).tolist()
+        [9, 2, 5]
+        """
+        kv_lens = np.array([row.size for row in slots], dtype=np.int64)
+        indices = np.concatenate(slots) if len(slots) else np.zeros(0, np.int64)
+        return cls(indptr_of(qo_lens), indptr_of(kv_lens), indices, np.minimum(kv_lens, 1), 1, num_slots)
 
     def __repr__(self):
         return (f"BSRLayout(R={self.num_rows}, nnz_qo={self.nnz_qo}, nnz_blocks={self.kv_indices.size}, "
@@ -434,6 +458,4 @@ class Cascade:
                 raise ValueError(f"queries of last-level row {r} see different earlier-level keys")
             rows_qo.append(hi - lo)
             rows_kv.append(np.concatenate([prefixes[0], last.kv_slots(r)]) if prefixes else last.kv_slots(r))
-        from bsrattn.layouts import vector_sparse
-
-        return vector_sparse(rows_kv, rows_qo, self.num_slots)
+        return BSRLayout.from_slots(rows_kv, rows_qo, self.num_slots)

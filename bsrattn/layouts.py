@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from bsrattn import indexing
-from bsrattn.layout import BSRLayout, Cascade, as_index_array, as_int
+from bsrattn.layout import BSRLayout, Cascade, as_index_array, as_int, indptr_of
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -73,12 +73,6 @@ def _check_total(name, lengths):
     return total
 
 
-def _indptr(lengths):
-    out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
 def _last_len(kv_lens, block_size):
     return np.where(kv_lens > 0, kv_lens - (indexing.ceil_div(kv_lens, block_size) - 1) * block_size, 0)
 
@@ -96,7 +90,7 @@ def ragged(qo_lens, kv_lens) -> BSRLayout:
     qo_lens = _lengths("qo_lens", qo_lens, kv_lens.size)
     _check_total("qo_lens", qo_lens)
     total = _check_total("kv_lens", kv_lens)  # before the [sum(kv_lens)] indices are made
-    return BSRLayout(_indptr(qo_lens), _indptr(kv_lens), np.arange(total), np.minimum(kv_lens, 1), 1, total)
+    return BSRLayout(indptr_of(qo_lens), indptr_of(kv_lens), np.arange(total), np.minimum(kv_lens, 1), 1, total)
 
 
 def dense(qo_len: int, kv_len: int) -> BSRLayout:
@@ -150,7 +144,8 @@ def _paged(qo_lens, page_tables, kv_lens, page_size, num_pages, tables_name="pag
                              f"{n_pages[b]}")
         tables.append(table[:n_pages[b]])
     indices = np.concatenate(tables) if tables else np.zeros(0, np.int64)
-    return BSRLayout(_indptr(qo_lens), _indptr(n_pages), indices, _last_len(kv_lens, page_size), page_size, num_pages)
+    return BSRLayout(indptr_of(qo_lens), indptr_of(n_pages), indices, _last_len(kv_lens, page_size), page_size,
+                     num_pages)
 
 
 def block_sparse(indptr, indices, M: int, N: int, R: int, C: int, mask=None) -> BSRLayout:
@@ -215,10 +210,7 @@ def vector_sparse(token_indices, qo_lens, num_slots: int) -> BSRLayout:
     qo_lens = _lengths("qo_lens", qo_lens)
     tokens = [_row(f"token_indices[{b}]", t) for b, t in enumerate(_rows("token_indices", token_indices,
                                                                          qo_lens.size, "qo_lens"))]
-    kv_lens = np.array([t.size for t in tokens], dtype=np.int64)
-    num_slots = as_int("num_slots", num_slots, minimum=0)
-    indices = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
-    return BSRLayout(_indptr(qo_lens), _indptr(kv_lens), indices, np.minimum(kv_lens, 1), 1, num_slots)
+    return BSRLayout.from_slots(tokens, qo_lens, as_int("num_slots", num_slots, minimum=0))
 
 
 def quest(page_tables, kv_lens, selected_pages, page_size: int, num_pages: int, num_kv_heads: int) -> BSRLayout:
