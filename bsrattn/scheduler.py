@@ -8,6 +8,10 @@ completion order, so the result is deterministic. Everything is a pure function 
 A :class:`WorkPlan` is plain int32 arrays a kernel can read. The grid it describes is ``num_ctas`` CTAs
 per KV head (a kernel launches ``num_ctas x num_kv_heads`` programs); CTA ``c`` runs items
 ``cta_indptr[c]:cta_indptr[c+1]`` in order.
+
+:func:`round_robin` is the baseline Algorithm 1 is measured against; the makespan study (:func:`makespan`,
+:func:`simulate`'s :class:`SimulationResult`, :data:`DISTRIBUTIONS`) is :mod:`bsrattn.makespan`, its names
+re-exported here.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 
 from bsrattn.compiled import Compiled
 from bsrattn.layout import as_index_array, as_int
+from bsrattn.makespan import DISTRIBUTIONS, SimulationResult, compare, makespan
 
 __all__ = ["WorkPlan", "plan", "round_robin", "makespan", "simulate", "SimulationResult", "DISTRIBUTIONS"]
 
@@ -360,69 +365,12 @@ def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan
     return _make_plan(qo, kv, num_ctas, tile_q, -1, 1, 1, False)
 
 
-def makespan(work_plan: WorkPlan, cost=None) -> float:
-    """The most loaded CTA's total cost: the plan's finishing time under the cost model.
-
-    Examples
-    --------
-    >>> import bsrattn as ba
-    >>> ba.scheduler.makespan(ba.scheduler.round_robin([1, 1], [100, 10], num_ctas=4))
-    101.0
-    >>> ba.scheduler.makespan(ba.scheduler.plan([1, 1], [100, 10], num_ctas=4))
-    29.0
-    """
-    loads = work_plan.cta_loads(cost)
-    return float(loads.max()) if loads.size else 0.0
-
-
-def _uniform(lo, hi):
-    return lambda rng, n: rng.integers(lo, hi + 1, size=n)
-
-
-DISTRIBUTIONS = {
-    "uniform kv=2048": lambda rng, n: np.full(n, 2048),
-    "U(512, 2048)": _uniform(512, 2048),
-    "U(4096, 16384)": _uniform(4096, 16384),
-    "lognormal": lambda rng, n: np.clip(rng.lognormal(mean=6.5, sigma=0.75, size=n), 16, 131072).astype(np.int64),
-}
-"""Decode KV-length distributions of the seed's makespan table (the lognormal is ShareGPT-like)."""
-
-
-@dataclass(frozen=True)
-class SimulationResult:
-    """Round-robin makespan over planned makespan, per trial; returned by :func:`simulate`.
-
-    Examples
-    --------
-    >>> import numpy as np, bsrattn as ba
-    >>> r = ba.scheduler.SimulationResult("U(512, 2048)", 32, np.array([5.0, 6.0, 7.0]))
-    >>> r.median, r.min, r.max
-    (6.0, 5.0, 7.0)
-    """
-
-    distribution: str
-    batch: int
-    ratios: np.ndarray
-
-    @property
-    def median(self) -> float:
-        """Median ratio over the trials."""
-        return float(np.median(self.ratios))
-
-    @property
-    def min(self) -> float:
-        """Smallest ratio."""
-        return float(self.ratios.min())
-
-    @property
-    def max(self) -> float:
-        """Largest ratio."""
-        return float(self.ratios.max())
-
-
 def simulate(distribution: str, batch: int, *, num_ctas: int = 132, trials: int = 50, seed: int = 0,
              **plan_kwargs) -> SimulationResult:
     """Decode makespans of :func:`plan` against :func:`round_robin` on random batches (the seed's table).
+
+    ``distribution`` names one of :data:`DISTRIBUTIONS`; ``plan_kwargs`` go to :func:`plan`. The study itself,
+    :func:`bsrattn.makespan.compare`, is this with the two planners as arguments.
 
     Examples
     --------
@@ -430,13 +378,6 @@ def simulate(distribution: str, batch: int, *, num_ctas: int = 132, trials: int 
     >>> ba.scheduler.simulate("uniform kv=2048", 256, trials=2).median
     1.0
     """
-    if distribution not in DISTRIBUTIONS:
-        raise ValueError(f"unknown distribution {distribution!r}; choose from {sorted(DISTRIBUTIONS)}")
-    rng = np.random.default_rng(seed)
-    ratios = []
-    for _ in range(trials):
-        kv = DISTRIBUTIONS[distribution](rng, batch)
-        qo = np.ones_like(kv)
-        rr = makespan(round_robin(qo, kv, num_ctas=num_ctas))
-        ratios.append(rr / makespan(plan(qo, kv, num_ctas=num_ctas, **plan_kwargs)))
-    return SimulationResult(distribution, batch, np.array(ratios))
+    return compare(lambda qo, kv: round_robin(qo, kv, num_ctas=num_ctas),
+                   lambda qo, kv: plan(qo, kv, num_ctas=num_ctas, **plan_kwargs), distribution, batch, trials=trials,
+                   seed=seed)

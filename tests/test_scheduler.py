@@ -181,3 +181,10 @@ def test_batch_attention_cascade_equals_one_shot_attention(problem, num_ctas, fi
               variant=problem.variant, num_ctas=num_ctas, fixed_split_size=fixed_split_size)
     want = ba.attention(q, k, v, problem.case.layout, variant=problem.variant, backend="reference")
     assert_close(attn.run(q, k, v), want, "attention", "float64", name="cascade plan/run out")
+
+
+def test_the_makespan_study_is_reexported_by_the_scheduler():
+    from bsrattn import makespan
+
+    for name in ("makespan", "SimulationResult", "DISTRIBUTIONS"):
+        assert getattr(scheduler, name) is getattr(makespan, name)
