@@ -134,33 +134,23 @@ def _check_options(num_ctas, tile_q, min_split_size=1, kv_align=1, fixed_split_s
             raise ValueError(f"{name} must be <= {_INT32_MAX}, got {value}: a plan's bounds are int32")
 
 
-def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_align, balance):
-    """Algorithm 1 with explicit loops (compiled by Numba when present); the plan comes back as one flat array.
-
-    ``split`` is the KV chunk size when positive; 0 asks for Algorithm 1's
-    ``L_kv = ceil(sum_r ceil(l_qo/T_q) * l_kv / num_ctas)``, at least ``min_split_size`` and rounded up to
-    ``kv_align``; -1 disables splitting. ``balance`` selects Algorithm 1 (longest first onto the least-loaded
-    CTA); otherwise query tile ``i`` goes to CTA ``i % num_ctas`` (round robin).
-
-    Returns ``(flat, chunk, W, M, P, num_partial_rows)``. ``flat`` is int32: ``cta_indptr [num_ctas+1]``,
-    the seven item arrays ``[W]`` (row, qo_start, qo_end, kv_start, kv_end, partial, cost) in CTA order,
-    ``merge_indptr [M+1]``, ``merge_partials [P]``, ``merge_qo_start [M]`` and ``merge_qo_end [M]``, back to
-    back (:func:`_make_plan` slices it): one array crosses into Python rather than twelve, each of which
-    Numba would box separately.
-    """
-    # int64 from here on, whatever the callers' int width: sums and chunk ends must not wrap.
-    qo = qo_lens.astype(np.int64)
-    kv = kv_lens.astype(np.int64)
-    num_rows = qo.size
-    chunk = 0
+def _chunk_size(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align):
+    """KV slots per chunk for :func:`_plan_core`'s ``split``; 0 when splitting is disabled."""
     if split > 0:
-        chunk = split
-    elif split == 0:
-        total = 0
-        for r in range(num_rows):
-            total += (qo[r] + tile_q - 1) // tile_q * kv[r]
-        size = max((total + num_ctas - 1) // num_ctas, min_split_size, 1)
-        chunk = (size + kv_align - 1) // kv_align * kv_align
+        return split
+    if split < 0:
+        return 0
+    total = 0
+    for r in range(qo.size):
+        total += (qo[r] + tile_q - 1) // tile_q * kv[r]
+    size = max((total + num_ctas - 1) // num_ctas, min_split_size, 1)
+    return (size + kv_align - 1) // kv_align * kv_align
+
+
+def _work_items(qo, kv, tile_q, chunk):
+    """Every (query tile, KV chunk) of every row, in (row, tile, chunk) order: ``[W]`` arrays of the item's row,
+    query rows ``qs:qe``, KV slots ``ks:ke``, query tile, and whether that tile is split into several items."""
+    num_rows = qo.size
     chunks = np.ones(num_rows, np.int64)
     n_items = 0
     for r in range(num_rows):
@@ -190,39 +180,56 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_ali
                 w += 1
             t += 1
         q_base += qo[r]
-    cost = (qe - qs) + (ke - ks)
+    return row, qs, qe, ks, ke, tile, split_tile
+
+
+def _longest_first_least_loaded(cost, num_ctas):
+    """Algorithm 1's assignment: ``(assigned, owner)``, the items in the order they were handed out, longest
+    first, and each item's CTA, the least loaded when it was handed out (ties to the lower id)."""
+    n_items = cost.size
     owner = np.empty(n_items, np.int64)
-    if balance:
-        # Longest first; equal costs keep item order, so the plan is a pure function. One int64 key per item,
-        # (cost descending, item ascending), sorts faster than an argsort of the costs.
-        longest = cost.max() if n_items else 0
-        keys = (longest - cost) * n_items + np.arange(n_items)
-        keys.sort()
-        assigned = keys % max(n_items, 1)
-        # A min-heap of CTAs keyed by load * num_ctas + cta: the least-loaded CTA on top, ties to the lower id.
-        heap = np.arange(num_ctas)
-        for i in range(n_items):
-            item = assigned[i]
-            owner[item] = heap[0] % num_ctas
-            top = heap[0] + cost[item] * num_ctas
-            # Sift the root's new key down.
-            p = 0
-            while True:
-                child = 2 * p + 1
-                if child >= num_ctas:
-                    break
-                if child + 1 < num_ctas and heap[child + 1] < heap[child]:
-                    child += 1
-                if heap[child] > top:
-                    break
-                heap[p] = heap[child]
-                p = child
-            heap[p] = top
-    else:
-        assigned = np.arange(n_items)
-        for i in range(n_items):
-            owner[i] = tile[i] % num_ctas
-    # Group by CTA; within a CTA, items run in the order they were assigned.
+    # Equal costs keep item order, so the plan is a pure function. One int64 key per item, (cost descending,
+    # item ascending), sorts faster than an argsort of the costs.
+    longest = cost.max() if n_items else 0
+    keys = (longest - cost) * n_items + np.arange(n_items)
+    keys.sort()
+    assigned = keys % max(n_items, 1)
+    # A min-heap of CTAs keyed by load * num_ctas + cta: the least-loaded CTA on top, ties to the lower id.
+    heap = np.arange(num_ctas)
+    for i in range(n_items):
+        item = assigned[i]
+        owner[item] = heap[0] % num_ctas
+        top = heap[0] + cost[item] * num_ctas
+        # Sift the root's new key down.
+        p = 0
+        while True:
+            child = 2 * p + 1
+            if child >= num_ctas:
+                break
+            if child + 1 < num_ctas and heap[child + 1] < heap[child]:
+                child += 1
+            if heap[child] > top:
+                break
+            heap[p] = heap[child]
+            p = child
+        heap[p] = top
+    return assigned, owner
+
+
+def _round_robin(tile, num_ctas):
+    """The baseline's assignment: ``(assigned, owner)``, items in item order, query tile ``i`` on CTA
+    ``i % num_ctas``."""
+    n_items = tile.size
+    owner = np.empty(n_items, np.int64)
+    for i in range(n_items):
+        owner[i] = tile[i] % num_ctas
+    return np.arange(n_items), owner
+
+
+def _group_by_cta(assigned, owner, num_ctas):
+    """``(cta_indptr [num_ctas+1], order [W])``: the items grouped by CTA; within a CTA, items run in the order
+    they were assigned."""
+    n_items = assigned.size
     cta_indptr = np.zeros(num_ctas + 1, np.int64)
     for i in range(n_items):
         cta_indptr[owner[i] + 1] += 1
@@ -234,7 +241,13 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_ali
         item = assigned[i]
         order[fill[owner[item]]] = item
         fill[owner[item]] += 1
-    # Partial rows in item (= tile, chunk) order; one merge per split tile, folding its chunks in order.
+    return cta_indptr, order
+
+
+def _partial_rows(qs, qe, tile, split_tile):
+    """``(partial [W], n_partial_rows, n_merges, n_merge_items)``: workspace rows in item (= tile, chunk)
+    order for the items of split tiles (-1 for the others), and the size of one merge per split tile."""
+    n_items = qs.size
     partial = np.full(n_items, -1, np.int64)
     n_partial_rows = 0
     n_merges = 0
@@ -246,10 +259,18 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_ali
             n_merge_items += 1
             if i == 0 or tile[i - 1] != tile[i]:
                 n_merges += 1
+    return partial, n_partial_rows, n_merges, n_merge_items
+
+
+def _pack(cta_indptr, order, items, qs, qe, tile, split_tile, partial, n_merges, n_merge_items):
+    """The plan as :func:`_plan_core`'s one flat int32 array; ``items`` are the seven item columns, which go in
+    CTA order (``order``), and each split tile's merge folds its chunks in chunk order."""
+    num_ctas = cta_indptr.size - 1
+    n_items = order.size
     flat = np.empty(num_ctas + 1 + 7 * n_items + n_merges + 1 + n_merge_items + 2 * n_merges, np.int32)
     flat[:num_ctas + 1] = cta_indptr
     at = num_ctas + 1
-    for column in (row, qs, qe, ks, ke, partial, cost):
+    for column in items:
         for i in range(n_items):
             flat[at + i] = column[order[i]]
         at += n_items
@@ -269,10 +290,68 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_ali
             flat[partials_at + j] = partial[i]
             j += 1
             flat[indptr_at + m + 1] = j
-    return flat, chunk, n_items, n_merges, n_merge_items, n_partial_rows
+    return flat
 
 
-_core = Compiled(_plan_core)
+def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_align, balance):
+    """Algorithm 1 with explicit loops (compiled by Numba when present); the plan comes back as one flat array.
+
+    ``split`` is the KV chunk size when positive; 0 asks for Algorithm 1's
+    ``L_kv = ceil(sum_r ceil(l_qo/T_q) * l_kv / num_ctas)``, at least ``min_split_size`` and rounded up to
+    ``kv_align``; -1 disables splitting. ``balance`` selects Algorithm 1 (longest first onto the least-loaded
+    CTA); otherwise query tile ``i`` goes to CTA ``i % num_ctas`` (round robin).
+
+    Returns ``(flat, chunk, W, M, P, num_partial_rows)``. ``flat`` is int32: ``cta_indptr [num_ctas+1]``,
+    the seven item arrays ``[W]`` (row, qo_start, qo_end, kv_start, kv_end, partial, cost) in CTA order,
+    ``merge_indptr [M+1]``, ``merge_partials [P]``, ``merge_qo_start [M]`` and ``merge_qo_end [M]``, back to
+    back (:func:`_make_plan` slices it): one array crosses into Python rather than twelve, each of which
+    Numba would box separately.
+    """
+    # int64 from here on, whatever the callers' int width: sums and chunk ends must not wrap.
+    qo = qo_lens.astype(np.int64)
+    kv = kv_lens.astype(np.int64)
+    chunk = _chunk_size(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align)
+    row, qs, qe, ks, ke, tile, split_tile = _work_items(qo, kv, tile_q, chunk)
+    cost = (qe - qs) + (ke - ks)
+    if balance:
+        assigned, owner = _longest_first_least_loaded(cost, num_ctas)
+    else:
+        assigned, owner = _round_robin(tile, num_ctas)
+    cta_indptr, order = _group_by_cta(assigned, owner, num_ctas)
+    partial, n_partial_rows, n_merges, n_merge_items = _partial_rows(qs, qe, tile, split_tile)
+    flat = _pack(cta_indptr, order, (row, qs, qe, ks, ke, partial, cost), qs, qe, tile, split_tile, partial,
+                 n_merges, n_merge_items)
+    return flat, chunk, row.size, n_merges, n_merge_items, n_partial_rows
+
+
+class _CompiledSteps(Compiled):
+    """A :class:`~bsrattn.compiled.Compiled` function that calls ``steps``, functions of this module.
+
+    Numba compiles a call only to a function it can compile, so each step is registered with Numba
+    (``register_jitable``) before the first call: compiled code then compiles the steps into itself, while
+    Python, :meth:`as_python` included, still calls the plain functions.
+    """
+
+    def __init__(self, python, *steps):
+        super().__init__(python)
+        self.steps = steps
+        self._registered = False
+
+    def __call__(self, *args):
+        if not self._registered:
+            self._registered = True
+            try:
+                from numba.extending import register_jitable
+            except ImportError:
+                pass
+            else:
+                for step in self.steps:
+                    register_jitable(step)
+        return super().__call__(*args)
+
+
+_core = _CompiledSteps(_plan_core, _chunk_size, _work_items, _longest_first_least_loaded, _round_robin,
+                       _group_by_cta, _partial_rows, _pack)
 
 
 def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance) -> WorkPlan:
