@@ -142,7 +142,6 @@ class BatchAttention:
 
     def __init__(self, backend=None):
         self.backend = get_backend(backend)
-        self._layout = None
         self._args: tuple = ()
         self._specs: list = []
         self._runners: list = []
@@ -151,9 +150,10 @@ class BatchAttention:
              kv_layout="NHD", num_ctas=None, fixed_split_size=None, disable_split_kv=False):
         """Compute the :class:`~bsrattn.scheduler.WorkPlan` for ``layout`` and bind it to this object.
 
-        ``num_ctas`` is CTAs per KV head (default: the tier's, one wave of the GPU, with the tier's minimum
-        chunk and chunk alignment); a given ``num_ctas`` plans Algorithm 1 exactly at that count, with chunks
-        of ``L_kv`` slots. ``fixed_split_size`` fixes the KV chunk size (batch invariance);
+        ``num_ctas`` counts CTAs **per KV head**, not in all: every KV head runs the same plan on its own
+        ``num_ctas`` CTAs, so a launch is ``num_ctas x num_kv_heads`` CTAs. The default is the tier's (one wave
+        of the GPU, with the tier's minimum chunk and chunk alignment); a given ``num_ctas`` plans Algorithm 1
+        exactly at that count, with chunks of ``L_kv`` slots. ``fixed_split_size`` fixes the KV chunk size (batch invariance);
         ``disable_split_kv`` gives each query tile one item.
         Calling ``plan`` again refills the tier's buffers in place where it can (CUDA-graph replay).
 
@@ -185,7 +185,7 @@ class BatchAttention:
             previous = self._runners[i] if i < len(self._runners) else None
             runners.append(self.backend.make_runner(spec, work_plan, previous=previous))
             specs.append(spec)
-        self._layout, self._args, self._specs, self._runners = layout, args, specs, runners
+        self._args, self._specs, self._runners = args, specs, runners
 
     @property
     def work_plans(self) -> list:

@@ -5,9 +5,8 @@ each to the least-loaded CTA (a min-heap). A tile split into several chunks writ
 state per chunk into a workspace slot, and a merge list folds them afterwards **in chunk order**, never in
 completion order, so the result is deterministic. Everything is a pure function of the lengths.
 
-A :class:`WorkPlan` is plain int32 arrays a kernel can read. The grid it describes is ``num_ctas`` CTAs
-per KV head (a kernel launches ``num_ctas x num_kv_heads`` programs); CTA ``c`` runs items
-``cta_indptr[c]:cta_indptr[c+1]`` in order.
+A :class:`WorkPlan` is plain int32 arrays a kernel can read: CTA ``c`` of its ``num_ctas`` (per KV head, as
+:meth:`bsrattn.BatchAttention.plan` says) runs items ``cta_indptr[c]:cta_indptr[c+1]`` in order.
 
 :func:`round_robin` is the baseline Algorithm 1 is measured against; the makespan study (:func:`makespan`,
 :func:`simulate`'s :class:`SimulationResult`, :data:`DISTRIBUTIONS`) is :mod:`bsrattn.makespan`, its names
@@ -28,9 +27,9 @@ __all__ = ["WorkPlan", "plan", "round_robin", "makespan", "simulate", "Simulatio
 
 _INT32_MAX = np.iinfo(np.int32).max
 MAX_CTAS = 2**20
-"""The most CTAs per KV head a plan may have. A launch is ``num_ctas x num_kv_heads`` programs and a GPU runs
-a few thousand at once (an H200 has 132 SMs), so more CTAs only add empty ones; the bound also keeps a bad
-value from allocating the plan's ``[num_ctas + 1]`` offsets and its load heap."""
+"""The largest ``num_ctas`` a plan may have. A GPU runs a few thousand CTAs at once (an H200 has 132 SMs), so
+more only add empty ones; the bound also keeps a bad value from allocating the plan's ``[num_ctas + 1]`` offsets
+and its load heap."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -385,7 +384,7 @@ def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: 
         Query rows and KV slots of each block row, in ``0..2**31-1``. Integers only: floats are refused,
         even integral ones like ``2.0``.
     num_ctas : int
-        CTAs to balance over (per KV head), ``1..MAX_CTAS`` (2**20).
+        CTAs to balance over, ``1..MAX_CTAS`` (2**20).
     tile_q : int
         Query rows per tile, ``T_q``.
     fixed_split_size : int, optional
