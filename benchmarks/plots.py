@@ -20,7 +20,7 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from benchmarks.harness import RESULTS_DIR, config_label, load_results  # noqa: E402
+from benchmarks.records import RESULTS_DIR, config_label, load_results  # noqa: E402
 from benchmarks.report import NO_SPLIT  # noqa: E402
 
 

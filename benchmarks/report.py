@@ -13,7 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import RESULTS_DIR, config_label, load_results  # noqa: E402
+from benchmarks.records import RESULTS_DIR, config_label, load_results  # noqa: E402
 
 ORDER = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
          "w7_cpu_models")

@@ -29,7 +29,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness, plots, report  # noqa: E402
+from benchmarks import harness, plots, records, report  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = {"w1": "w1_quest_decode", "w2": "w2_paged_decode", "w3": "w3_prefill", "w4": "w4_split_kv",
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds for all selected workloads together, split in the --quick proportions "
                         "(default for --quick: their sum, 400 s; none for a full run)")
-    p.add_argument("--results", type=Path, default=harness.RESULTS_DIR)
+    p.add_argument("--results", type=Path, default=records.RESULTS_DIR)
     p.add_argument("--samples", type=int, default=None, help="timed samples per mode (default 300, quick 100)")
     p.add_argument("--impls", default=None, help="comma-separated glob patterns of implementations to run")
     p.add_argument("--no-prebuild", action="store_true", help="do not build FlashInfer's modules ahead")

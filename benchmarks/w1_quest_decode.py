@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
-from benchmarks import baselines, harness  # noqa: E402
+from benchmarks import baselines, correctness, harness  # noqa: E402
 
 WORKLOAD = "w1_quest_decode"
 TITLE = "W1: Quest sparse decode (batch 1, 32/32 heads, d128, fp16, page 16, per-head pages)"
@@ -94,8 +94,8 @@ def make_case(suite, seq_len: int, budget: int, shape: Shape) -> Case:
     v = torch.randn(n_pages, h, page, d, **kw)
     layout = ba.layouts.quest([table], [seq_len], [selected], page, n_pages, h)
     views = ba.layouts.per_head_views(q, k, v, h)
-    rows = harness.sample_rows(layout, 1, d)
-    expected = harness.reference_rows(layout, *views, rows)
+    rows = correctness.sample_rows(layout, 1, d)
+    expected = correctness.reference_rows(layout, *views, rows)
     out = torch.full((h, 1, d), float("nan"), **kw)
     return Case(seq_len, budget, shape, table, selected, layout, q, k, v, views, out, rows, expected)
 

@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
-from benchmarks import baselines, harness  # noqa: E402
+from benchmarks import baselines, correctness, harness  # noqa: E402
 
 WORKLOAD = "w2_paged_decode"
 TITLE = "W2: paged decode (32/8 heads, d128, page 16, scattered pages; fp16, bf16, fp8-e4m3 KV)"
@@ -140,8 +140,8 @@ def make_case(suite, shape: Shape, kv_dtype: str, kv_lens) -> Case:
     v = torch.randn(pool, dtype=qt, device=dev).to(getattr(torch, kv_dtype))
     layout = ba.layouts.paged(np.ones_like(kv_lens), tables, kv_lens, shape.page_size, perm.size)
     scales = dict(k_scale=K_SCALE, v_scale=V_SCALE) if kv_dtype.startswith("float8") else {}
-    rows = harness.sample_rows(layout, shape.num_kv_heads, shape.head_dim)
-    expected = harness.reference_rows(layout, q, k, v, rows, **scales)
+    rows = correctness.sample_rows(layout, shape.num_kv_heads, shape.head_dim)
+    expected = correctness.reference_rows(layout, q, k, v, rows, **scales)
     out = torch.full(q.shape, float("nan"), dtype=qt, device=dev)
     return Case(shape, kv_dtype, q_dtype, kv_lens, tables, layout, q, k, v, out, rows, expected, scales)
 

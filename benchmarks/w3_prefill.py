@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
-from benchmarks import baselines, harness  # noqa: E402
+from benchmarks import baselines, correctness, harness  # noqa: E402
 
 WORKLOAD = "w3_prefill"
 TITLE = "W3: ragged causal prefill (32/8 heads, d128, bf16; TFLOP/s, causal FLOPs counted once)"
@@ -136,8 +136,8 @@ def make_case(suite, shape: Shape, lens, kv_layout: str) -> Case:
                                 device=suite.device)
         k_ragged = k.reshape(-1, shape.num_kv_heads, shape.head_dim)[slots]
         v_ragged = v.reshape(-1, shape.num_kv_heads, shape.head_dim)[slots]
-    rows = harness.sample_rows(layout, shape.num_kv_heads, shape.head_dim, causal=True)
-    expected = harness.reference_rows(layout, q, k, v, rows, causal=True)
+    rows = correctness.sample_rows(layout, shape.num_kv_heads, shape.head_dim, causal=True)
+    expected = correctness.reference_rows(layout, q, k, v, rows, causal=True)
     out = torch.full(q.shape, float("nan"), **kw)
     return Case(shape, lens, kv_layout, layout, q, k, v, k_ragged, v_ragged, out, rows, expected)
 

@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
-from benchmarks import baselines, harness  # noqa: E402
+from benchmarks import baselines, correctness, harness  # noqa: E402
 from benchmarks.w2_paged_decode import Shape  # noqa: E402
 
 WORKLOAD = "w5_cascade"
@@ -103,8 +103,8 @@ def make_case(suite, shape: Shape, prefix_len: int, batch: int, suffix_len: int)
     pool = (perm.size, page, shape.num_kv_heads, shape.head_dim)
     k, v = torch.randn(pool, **kw), torch.randn(pool, **kw)
     # The prefix is shared, so 8 rows cost little more than one: check 8 even at a 32k prefix.
-    rows = harness.sample_rows(plain, shape.num_kv_heads, shape.head_dim, max_rows=8, max_elements=1 << 28)
-    expected = harness.reference_rows(plain, q, k, v, rows)
+    rows = correctness.sample_rows(plain, shape.num_kv_heads, shape.head_dim, max_rows=8, max_elements=1 << 28)
+    expected = correctness.reference_rows(plain, q, k, v, rows)
     out = torch.full(q.shape, float("nan"), **kw)
     return Case(shape, prefix_len, suffix_len, batch, cascade, plain, q, k, v, out, rows, expected)
 

@@ -15,7 +15,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import bsrattn as ba  # noqa: E402
-from benchmarks import harness, plots, report, run_all, w7_cpu_models  # noqa: E402
+from benchmarks import ceilings, correctness, harness, plots, records, report, run_all, timing  # noqa: E402
+from benchmarks import w7_cpu_models  # noqa: E402
 
 GPU_SCRIPTS = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host")
 
@@ -86,7 +87,7 @@ def test_reference_rows_equal_rows_of_the_full_reference(kv_layout, causal):
     full = ba.attention(q, k, v, layout, variant=ba.Variant(causal=causal), kv_layout=kv_layout,
                         backend="reference")
     rows = np.array([0, 2, 3, 5, 7])
-    got = harness.reference_rows(layout, q, k, v, rows, kv_layout=kv_layout, causal=causal)
+    got = correctness.reference_rows(layout, q, k, v, rows, kv_layout=kv_layout, causal=causal)
     np.testing.assert_allclose(got, full[rows], rtol=1e-12, atol=1e-12)
 
 
@@ -102,23 +103,23 @@ def test_reference_rows_dequantise_fp8_torch_tensors_like_the_reference_tier():
     as_np = lambda x: x.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)  # noqa: E731
     full = ba.attention(q16.numpy(), as_np(k8), as_np(v8), layout, k_scale=0.75, v_scale=1.25, backend="reference")
     rows = np.arange(layout.nnz_qo)
-    got = harness.reference_rows(layout, q16, k8, v8, rows, k_scale=0.75, v_scale=1.25)
+    got = correctness.reference_rows(layout, q16, k8, v8, rows, k_scale=0.75, v_scale=1.25)
     # The reference returns q's dtype (float16); reference_rows keeps float64.
     np.testing.assert_allclose(got, full.astype(np.float64), rtol=2e-3, atol=2e-3)
 
 
 def test_sample_rows_spread_within_the_budget():
     layout = ba.layouts.ragged(np.ones(100, dtype=np.int64), np.full(100, 64))
-    rows = harness.sample_rows(layout, 2, 8, max_rows=10)
+    rows = correctness.sample_rows(layout, 2, 8, max_rows=10)
     assert rows[0] == 0 and rows[-1] == 99 and len(rows) == 10
-    tight = harness.sample_rows(layout, 2, 8, max_rows=10, max_elements=3 * 64 * 2 * 8)
+    tight = correctness.sample_rows(layout, 2, 8, max_rows=10, max_elements=3 * 64 * 2 * 8)
     assert tight.tolist() == [0, 11, 99]
-    assert harness.sample_rows(layout, 2, 8, max_elements=1).tolist() == [0]
+    assert correctness.sample_rows(layout, 2, 8, max_elements=1).tolist() == [0]
     # A shared prefix is counted once: 64 requests over one 1000-slot prefix plus 10 slots each fit together.
     shared = ba.layouts.vector_sparse([np.r_[np.arange(1000), 1000 + 10 * b + np.arange(10)] for b in range(64)],
                                       np.ones(64, dtype=np.int64), num_slots=1640)
-    assert len(harness.sample_rows(shared, 1, 1, max_rows=64, max_elements=1640)) == 64
-    assert len(harness.sample_rows(shared, 1, 1, max_rows=64, max_elements=1100)) == 10
+    assert len(correctness.sample_rows(shared, 1, 1, max_rows=64, max_elements=1640)) == 64
+    assert len(correctness.sample_rows(shared, 1, 1, max_rows=64, max_elements=1100)) == 10
 
 
 def _gate_problem():
@@ -127,7 +128,7 @@ def _gate_problem():
     layout, q, k, v = _paged_problem(rng)
     q, k, v = (torch.as_tensor(x, dtype=torch.float32) for x in (q, k, v))
     rows = np.arange(layout.nnz_qo)
-    expected = harness.reference_rows(layout, q, k, v, rows)
+    expected = correctness.reference_rows(layout, q, k, v, rows)
     truth = torch.as_tensor(expected, dtype=torch.float32)
     out = torch.full_like(truth, float("nan"))
     return truth, out, dict(shape=tuple(truth.shape), rows=rows, expected=expected, dtype="float32")
@@ -189,10 +190,10 @@ def test_impls_filter_and_bound_and_stats():
     assert suite.selected("sdpa-mask") and suite.selected("flashinfer-fa2") and not suite.selected("bsrattn-torch")
     assert suite.measure({}, "bsrattn-torch", None, shape=(), rows=[], expected=None, dtype="float16") is None
     ceil = {"copy_bytes_per_s": 4e12, "gemm_flops_per_s": 8e14}
-    b = harness.bound(ceil, bytes_needed=8_000_000, flops=4e8)
+    b = ceilings.bound(ceil, bytes_needed=8_000_000, flops=4e8)
     assert b["bound"] == "bytes" and b["bound_us"] == pytest.approx(2.0) and b["flops_us"] == pytest.approx(0.5)
-    assert harness.bound(None, bytes_needed=1) == {}
-    s = harness.stats([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert ceilings.bound(None, bytes_needed=1) == {}
+    s = timing.stats([5.0, 1.0, 3.0, 2.0, 4.0])
     assert s["median_us"] == 3.0 and s["min_us"] == 1.0 and s["samples"] == 5
 
 
@@ -270,8 +271,8 @@ def synthetic_payloads():
 
 def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     for name, payload in synthetic_payloads().items():
-        harness.write_json(tmp_path / f"{name}.json", payload)
-    harness.write_json(tmp_path / "w7_cpu_models.json", w7_payload)
+        records.write_json(tmp_path / f"{name}.json", payload)
+    records.write_json(tmp_path / "w7_cpu_models.json", w7_payload)
     drawn = plots.draw_all(tmp_path)
     assert sorted(p.stem for p in drawn) == sorted(report.ORDER)
     assert all(p.stat().st_size > 5000 for p in drawn)

@@ -1,0 +1,87 @@
+"""Timing: eager calls from Python and CUDA-graph replays, each after an L2 flush, as medians of CUDA events.
+
+:func:`time_eager` and :func:`time_graph` are steps 3 and 4 of the method in :mod:`benchmarks.harness`; their
+callers have already checked the output (:mod:`benchmarks.correctness`) and flush the L2 by zeroing a buffer of
+:data:`FLUSH_BYTES`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.correctness import fill_nan
+
+FLUSH_BYTES = 256 << 20
+
+
+def stats(times_us) -> dict:
+    """Median and spread of a list of samples in µs.
+
+    >>> stats([3.0, 1.0, 2.0])["median_us"]
+    2.0
+    """
+    t = np.asarray(times_us, dtype=np.float64)
+    return {"median_us": float(np.median(t)), "p10_us": float(np.percentile(t, 10)),
+            "p90_us": float(np.percentile(t, 90)), "min_us": float(t.min()), "samples": int(t.size)}
+
+
+def synchronize():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def time_eager(fn, *, flush, warmup: int, samples: int) -> dict:
+    """Stats of ``samples`` timed calls of ``fn`` from Python, after ``warmup``: each after zeroing ``flush`` (the
+    L2) and a synchronize, timed by CUDA events (the interval includes the host's launch cost)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    for i in range(samples):
+        flush.zero_()
+        # The GPU is idle when the start event is recorded, so the interval includes the Python call.
+        torch.cuda.synchronize()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return stats([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
+
+
+def time_graph(fn, check, *, flush, warmup: int, samples: int) -> dict:
+    """Stats of ``samples`` replays of ``fn`` captured in a CUDA graph, each after an L2 flush queued ahead of it
+    (GPU time: the launch is hidden behind the flush). One replay is checked first, its output filled with NaN
+    before it: ``check(y) -> bool``; a replay that fails it is not timed."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fn()
+    fill_nan(y)
+    graph.replay()
+    torch.cuda.synchronize()
+    if not check(y):
+        return {"error": "replay output differs from the reference"}
+    for _ in range(warmup):
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    for i in range(samples):
+        flush.zero_()
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    del graph, y
+    return stats(times)
