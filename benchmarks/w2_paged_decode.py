@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
+from bsrattn.indexing import ceil_div  # noqa: E402
 from benchmarks import baselines, correctness, harness  # noqa: E402
 
 WORKLOAD = "w2_paged_decode"
@@ -128,7 +129,7 @@ def make_case(suite, shape: Shape, kv_dtype: str, kv_lens) -> Case:
     import torch
 
     kv_lens = np.asarray(kv_lens, dtype=np.int64)
-    n_pages = -(-kv_lens // shape.page_size)
+    n_pages = ceil_div(kv_lens, shape.page_size)
     perm = suite.rng.permutation(int(n_pages.sum()))
     tables = np.split(perm, np.cumsum(n_pages)[:-1])
     q_dtype = "float16" if kv_dtype.startswith("float8") else kv_dtype

@@ -30,6 +30,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
+from bsrattn.indexing import ceil_div  # noqa: E402
 from benchmarks import baselines, correctness, harness  # noqa: E402
 
 WORKLOAD = "w3_prefill"
@@ -127,7 +128,7 @@ def make_case(suite, shape: Shape, lens, kv_layout: str) -> Case:
         layout = ba.layouts.ragged(lens, lens)
         k, v = k_ragged, v_ragged
     else:
-        n_pages = -(-lens // shape.page_size)
+        n_pages = ceil_div(lens, shape.page_size)
         perm = suite.rng.permutation(int(n_pages.sum()))
         layout = ba.layouts.paged(lens, np.split(perm, np.cumsum(n_pages)[:-1]), lens, shape.page_size, perm.size)
         pool = (perm.size, shape.page_size, shape.num_kv_heads, shape.head_dim)

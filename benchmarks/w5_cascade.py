@@ -32,6 +32,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
+from bsrattn.indexing import ceil_div  # noqa: E402
 from benchmarks import baselines, correctness, harness  # noqa: E402
 from benchmarks.w2_paged_decode import Shape  # noqa: E402
 
@@ -90,7 +91,7 @@ def make_case(suite, shape: Shape, prefix_len: int, batch: int, suffix_len: int)
     if prefix_len % page:
         raise ValueError(f"prefix_len={prefix_len} must be a multiple of the page size {page}: the suffix starts "
                          f"on a fresh page in both layouts")
-    n_prefix, n_suffix = prefix_len // page, -(-suffix_len // page)
+    n_prefix, n_suffix = prefix_len // page, ceil_div(suffix_len, page)
     perm = suite.rng.permutation(n_prefix + batch * n_suffix)
     prefix_pages, suffix_tables = perm[:n_prefix], perm[n_prefix:].reshape(batch, n_suffix)
     ones = np.ones(batch, dtype=np.int64)

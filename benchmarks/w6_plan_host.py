@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
+from bsrattn.indexing import ceil_div  # noqa: E402
 from benchmarks import baselines, harness  # noqa: E402
 from benchmarks.w2_paged_decode import DRY_SHAPE, GPU_SHAPE  # noqa: E402
 from bsrattn.validation import make_spec  # noqa: E402
@@ -43,7 +44,7 @@ KV_LEN = 4096
 
 def page_tables(rng, batch: int, kv_len: int, page_size: int):
     """Scattered page tables: ``[batch][kv_len / page_size]`` pages of a random permutation of the pool."""
-    n = -(-kv_len // page_size)
+    n = ceil_div(kv_len, page_size)
     return rng.permutation(batch * n).reshape(batch, n)
 
 

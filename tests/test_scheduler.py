@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import bsrattn as ba
 from bsrattn import scheduler
+from bsrattn.indexing import ceil_div
 from bsrattn.reference import attention_rows, execute
 from bsrattn.testing import assert_close
 from bsrattn.validation import make_spec
@@ -90,9 +91,9 @@ def test_chunk_size_is_algorithm_1s_l_kv(lens, num_ctas, tile_q, min_split, alig
     """``L_kv = ceil(sum_r ceil(l_qo/T_q) * l_kv / num_ctas)``, at least ``min_split_size``, rounded up to
     ``kv_align``."""
     qo, kv = lens
-    total = sum(-(-q // tile_q) * k for q, k in zip(qo, kv))
-    want = max(-(-total // num_ctas), min_split, 1)
-    want = -(-want // align) * align
+    total = sum(ceil_div(q, tile_q) * k for q, k in zip(qo, kv))
+    want = max(ceil_div(total, num_ctas), min_split, 1)
+    want = ceil_div(want, align) * align
     work_plan = scheduler.plan(qo, kv, num_ctas=num_ctas, tile_q=tile_q, min_split_size=min_split, kv_align=align)
     assert work_plan.kv_chunk_size == want
 
@@ -120,7 +121,7 @@ def test_fixed_split_size_chunks_depend_on_the_row_alone(lens, num_ctas, tile_q,
     for r, k in enumerate(kv):
         mine = work_plan.item_row == r
         if qo[r]:
-            want = max(1, -(-k // size)) * -(-qo[r] // tile_q)
+            want = max(1, ceil_div(k, size)) * ceil_div(qo[r], tile_q)
             assert mine.sum() == want, f"row {r}: {mine.sum()} items, want {want}"
 
 
@@ -129,7 +130,7 @@ def test_disable_split_kv_gives_one_item_per_tile(lens, num_ctas, tile_q):
     qo, kv = lens
     work_plan = scheduler.plan(qo, kv, num_ctas=num_ctas, tile_q=tile_q, disable_split_kv=True)
     assert work_plan.kv_chunk_size == 0 and work_plan.num_merges == 0 and work_plan.num_partial_rows == 0
-    assert work_plan.num_items == sum(-(-q // tile_q) for q in qo)
+    assert work_plan.num_items == sum(ceil_div(q, tile_q) for q in qo)
     assert (work_plan.item_partial == -1).all()
     np.testing.assert_array_equal(work_plan.item_kv_start, 0)
     np.testing.assert_array_equal(work_plan.item_kv_end, np.asarray(kv)[work_plan.item_row])
