@@ -46,6 +46,7 @@ import numpy as np
 
 import bsrattn as ba
 from benchmarks import ceilings, correctness, records, timing
+from benchmarks.records import load_results  # noqa: F401  (the performance notebook and the docs read results here)
 
 # FlashInfer reads this when it JIT-compiles; set before anything imports it.
 os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
