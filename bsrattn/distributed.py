@@ -6,7 +6,7 @@ request ``b``) and each local key's global position in its request. Attention ov
 is the ⊕ of the ranks' partial states (see :mod:`bsrattn.reference.merge`), so each rank
 
 1. computes its states ``(o, lse)`` over its own keys with the ordinary plan/run of its tier,
-2. all-gathers them (``o`` and ``lse`` only, as one byte buffer: one collective per call),
+2. all-gathers them (``o`` and ``lse`` only, as one byte buffer, after a one-word status from each rank),
 3. folds them in rank order, ``((s_0 ⊕ s_1) ⊕ s_2) ⊕ …``, with the tier's
    :func:`~bsrattn.merge_states`,
 
@@ -28,8 +28,8 @@ that grid.
 depend on positions and are supported for every query. Causal masking and sliding windows depend on each
 key's global position, which a shard's logical order does not give (an interleaved shard's keys are ``W``
 apart): the plan turns them into the local layout's custom mask over global positions
-(:meth:`Shard.attention_layout`), a ``[qo_len, local kv_len]`` bool array per request. A decode step (one
-query that sees every key) needs no mask and gets none; a prefill's mask costs ``qo_len x kv_len / W``
+(:meth:`Shard.attention_layout`), a ``[qo_len, local kv_len]`` bool array per request. A causal decode step
+(one query, which sees every key) needs no mask and gets none; a prefill's mask costs ``qo_len x kv_len / W``
 bytes per request, fine for chunked prefill, too much for a whole long prompt at once. ALiBi
 (``alibi_slopes``) is refused with a ``ValueError``: its bias is a function of positions that a mask cannot
 carry.
@@ -44,10 +44,11 @@ disagrees. The collectives run under the process group's timeout (``init_process
 which bounds the wait for a rank that never arrives; a rank that dies closes its connections and the others
 fail at once.
 
-**Devices.** The code is device-agnostic: states travel on the group's device (CUDA with NCCL, the CPU with
-gloo); NumPy states go through CPU tensors. With NCCL, call ``torch.cuda.set_device`` for the rank's GPU
-first (the summaries use ``all_gather_object``). It is tested on CPU with gloo only. It sets no NCCL
-variable and never enables NVLink multicast.
+**Devices.** The code is device-agnostic: states travel on the group's device, the current CUDA device for
+a group whose backend is NCCL and the CPU for any other (gloo, or a mixed ``cpu:gloo,cuda:nccl`` group, so
+that every rank's tensors meet in one backend); NumPy states go through CPU tensors. With NCCL, call
+``torch.cuda.set_device`` for the rank's GPU first (the summaries use ``all_gather_object``). It is tested
+on CPU with gloo only. It sets no NCCL variable and never enables NVLink multicast.
 
 Examples
 --------
@@ -81,7 +82,7 @@ __all__ = ["SHARDINGS", "Shard", "shard", "shards", "ContextParallelAttention", 
 
 SHARDINGS = ("contiguous", "interleaved")
 
-# torch 2.13 renamed all_gather_into_tensor; the older name is the one torch 2.5 to 2.12 have.
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; torch 2.5 to 2.12 have only the former.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -102,8 +103,19 @@ class Shard:
     rank, world_size : int
         The rank this shard belongs to, of how many.
 
+    Notes
+    -----
     Only shapes are checked here; whether the positions of all ranks cover each request's keys exactly
     once is checked, on every rank at once, by :meth:`ContextParallelAttention.plan`.
+
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> from bsrattn import distributed
+    >>> pages = ba.layouts.paged([1], [[2, 0]], kv_lens=[5], page_size=4, num_pages=3)   # keys 5..9 of 10
+    >>> part = distributed.Shard(pages, positions=[5, 6, 7, 8, 9], kv_lens=[10], rank=1, world_size=2)
+    >>> part.row_positions(0).tolist(), part.attention_layout(ba.Variant(causal=True))[0].custom_mask is None
+    ([5, 6, 7, 8, 9], True)
     """
 
     layout: BSRLayout
@@ -229,7 +241,14 @@ def shard(qo_lens, kv_lens, *, rank: int, world_size: int, sharding: str = "cont
 
 def shards(qo_lens, kv_lens, *, world_size: int, sharding: str = "contiguous") -> list:
     """Every rank's :class:`Shard`, ``[shard(..., rank=r) for r in range(world_size)]``: for one process that
-    builds all ranks' inputs from one global KV (tests, examples)."""
+    builds all ranks' inputs from one global KV (tests, examples).
+
+    Examples
+    --------
+    >>> from bsrattn import distributed
+    >>> [p.positions.tolist() for p in distributed.shards([1], [5], world_size=2)]
+    [[0, 1], [2, 3, 4]]
+    """
     world_size = as_int("world_size", world_size, minimum=1)
     return [shard(qo_lens, kv_lens, rank=r, world_size=world_size, sharding=sharding) for r in range(world_size)]
 
@@ -298,7 +317,8 @@ def _check_own_positions(s: Shard):
 
 
 def _comm_device(group):
-    """Where collectives on ``group`` run: the current CUDA device for NCCL, else the CPU."""
+    """Where collectives on ``group`` run: the current CUDA device for NCCL, else the CPU (see the module
+    docstring: every rank must pick the same backend whatever kind of array it holds)."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -332,6 +352,23 @@ class ContextParallelAttention:
         The tier each rank computes its states and folds them with.
     group : ProcessGroup, optional
         Default: the default process group. Its timeout bounds every collective.
+
+    Examples
+    --------
+    In a group of one rank (every rank of a larger group runs the same lines with its own shard):
+
+    >>> import tempfile, numpy as np, torch.distributed as dist, bsrattn as ba
+    >>> from bsrattn import distributed
+    >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/group", rank=0, world_size=1)
+    >>> part = distributed.shard([2], [6], rank=0, world_size=1)
+    >>> cp = distributed.ContextParallelAttention("reference")
+    >>> cp.plan(part, num_qo_heads=2, num_kv_heads=1, head_dim=8, variant=ba.Variant(causal=True))
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((2, 2, 8)), rng.standard_normal((6, 1, 8)), rng.standard_normal((6, 1, 8))
+    >>> want = ba.attention(q, k, v, ba.layouts.ragged([2], [6]), variant=ba.Variant(causal=True))
+    >>> bool(np.allclose(cp.run(q, k[part.global_slots], v[part.global_slots]), want))
+    True
+    >>> dist.destroy_process_group()
     """
 
     def __init__(self, backend=None, *, group=None):
@@ -533,13 +570,22 @@ def context_parallel_attention(q, k_local, v_local, shard, *, variant=None, grou
     out or (out, lse)
         The same on every rank, bit for bit.
 
-    Notes
-    -----
-    On each rank, after ``torch.distributed.init_process_group``::
+    Examples
+    --------
+    On each rank, after ``torch.distributed.init_process_group`` (here a group of one):
 
-        parts = distributed.shard(qo_lens, kv_lens, rank=rank, world_size=world, sharding="interleaved")
-        out = distributed.context_parallel_attention(q, k[parts.global_slots], v[parts.global_slots], parts,
-                                                     variant=ba.Variant(causal=True))
+    >>> import tempfile, numpy as np, torch.distributed as dist, bsrattn as ba
+    >>> from bsrattn import distributed
+    >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/group", rank=0, world_size=1)
+    >>> part = distributed.shard([1], [6], rank=dist.get_rank(), world_size=dist.get_world_size(),
+    ...                          sharding="interleaved")
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((1, 2, 8)), rng.standard_normal((6, 1, 8)), rng.standard_normal((6, 1, 8))
+    >>> out, lse = distributed.context_parallel_attention(q, k[part.global_slots], v[part.global_slots], part,
+    ...                                                   return_lse=True)
+    >>> out.shape, lse.shape
+    ((1, 2, 8), (1, 2))
+    >>> dist.destroy_process_group()
     """
     attention = ContextParallelAttention(backend, group=group)
     try:

@@ -2,7 +2,7 @@
 
 Each module fixture spawns one process group and runs every job in it, one after another, so that the
 processes start once (the imports are most of the cost); a job that must fail is followed by others, which
-shows the group survives the error. The spawning test bounds its wall time, and the group's timeout is
+shows the group survives the error. Each spawn bounds its wall time, and the group's timeout is
 short: an error raised on one rank only would leave the others waiting and show up as a timeout, not as the
 ValueError on every rank the tests expect.
 
@@ -23,7 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as tmp  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
 from bsrattn import distributed, testing  # noqa: E402
@@ -87,11 +87,10 @@ def _job_layers(rank, world):
     return [cp.run(q, scale * k_local, v_local, return_lse=True) for scale in (1.0, 2.0)]
 
 
-def _shifted(part, b, lo_shift, hi_shift):
-    """``part`` with request ``b``'s positions ``[lo, hi)`` moved to ``[lo + lo_shift, hi + hi_shift)``."""
+def _with_positions(part, b, change):
+    """``part`` with request ``b``'s positions ``[lo, hi)`` replaced by ``change(lo, hi)``."""
     rows = [part.row_positions(r) for r in range(part.layout.num_rows)]
-    lo, hi = int(rows[b][0]), int(rows[b][-1]) + 1
-    rows[b] = np.arange(lo + lo_shift, hi + hi_shift)
+    rows[b] = np.asarray(change(int(rows[b][0]), int(rows[b][-1]) + 1))
     local = ba.layouts.ragged(part.layout.qo_lens, [r.size for r in rows])
     return distributed.Shard(local, np.concatenate(rows), part.kv_lens, part.rank, part.world_size)
 
@@ -102,10 +101,12 @@ def _job_bad(rank, world, *, what):
     q, k, v = _problem("decode")
     part = distributed.shard(qo_lens, kv_lens, rank=rank, world_size=world, sharding="contiguous")
     last = rank == world - 1
-    if what == "overlap" and last:       # also holds the key before its range, which rank world-2 holds
-        part = _shifted(part, 0, -1, 0)
-    if what == "gap" and last:           # drops the last key of request 0
-        part = _shifted(part, 0, 0, -1)
+    changes = {"overlap": lambda lo, hi: np.arange(lo - 1, hi),   # also the key before, which rank world-2 holds
+               "gap": lambda lo, hi: np.arange(lo, hi - 1),       # not request 0's last key
+               "moved": lambda lo, hi: np.arange(lo - 1, hi - 1),  # the right count, but an overlap and a gap
+               "twice": lambda lo, hi: np.r_[lo, np.arange(lo, hi)]}
+    if what in changes and last:
+        part = _with_positions(part, 0, changes[what])
     if what == "heads" and last:
         q = q[:, :2]
     if what == "variant" and last:
@@ -125,7 +126,7 @@ def _job_bad(rank, world, *, what):
 
 
 JOBS = {"attention": _job_attention, "layers": _job_layers, "bad": _job_bad}
-BAD = ("overlap", "gap", "heads", "variant", "alibi", "rank", "dtype", "q_shape")
+BAD = ("overlap", "gap", "moved", "twice", "heads", "variant", "alibi", "rank", "dtype", "q_shape")
 
 
 def _worker(rank, world, where, jobs):
@@ -146,7 +147,7 @@ def _worker(rank, world, where, jobs):
 
 def _spawn(world, jobs, where):
     """Every rank's ``{job name: (status, value)}``, the ranks run as ``world`` processes within WALL_LIMIT_S."""
-    context = tmp.start_processes(_worker, args=(world, str(where), jobs), nprocs=world, join=False,
+    context = mp.start_processes(_worker, args=(world, str(where), jobs), nprocs=world, join=False,
                                   start_method="spawn")
     deadline = time.monotonic() + WALL_LIMIT_S
     try:
@@ -172,7 +173,7 @@ def _attention_jobs(tiers, cases):
 TWO_RANK_JOBS = ([(f"bad-{what}", "bad", dict(what=what)) for what in BAD]
                  + _attention_jobs(("reference",), CASES) + _attention_jobs(("numba", "torch"), ("decode", "prefill"))
                  + [("layers", "layers", {})])
-FOUR_RANK_JOBS = ([(f"bad-{what}", "bad", dict(what=what)) for what in ("overlap", "heads", "q_shape")]
+FOUR_RANK_JOBS = ([(f"bad-{what}", "bad", dict(what=what)) for what in ("overlap", "moved", "heads", "q_shape")]
                   + _attention_jobs(("reference",), CASES))
 
 
@@ -293,8 +294,9 @@ def test_two_ranks_agree_bitwise_with_one_process_on_every_tier(two_ranks):
 def test_four_ranks_agree_bitwise_with_one_process(four_ranks):
     for name, kind, params in FOUR_RANK_JOBS:
         if kind == "attention":
+            want = _one_process("reference", params["sharding"], params["case"], 4)
             for r, g in enumerate(_outcome(four_ranks, name)):
-                _assert_bitwise(g, _one_process("reference", params["sharding"], params["case"], 4), f"{name}, rank {r}")
+                _assert_bitwise(g, want, f"{name}, rank {r}")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -323,6 +325,10 @@ def _messages(world):
         "overlap": ("ValueError", rf"request 0's kv_len=13 keys exactly once \(overlap\): position "
                                   rf"{13 * last // world - 1} is held by ranks \[{last - 1}, {last}\]"),
         "gap": ("ValueError", r"request 0's kv_len=13 keys exactly once \(gap\): positions \[12\] are held by no rank"),
+        "moved": ("ValueError", rf"request 0's kv_len=13 keys exactly once \(overlap and gap\): position "
+                                rf"{13 * last // world - 1} is held by ranks \[{last - 1}, {last}\]; "
+                                r"positions \[12\] are held by no rank"),
+        "twice": ("ValueError", rf"^rank {last}: request 0: position {13 * last // world} is held twice$"),
         "heads": ("ValueError", rf"ranks disagree on the plan: rank {last} has num_qo_heads=2, rank 0 has 4"),
         "variant": ("ValueError", rf"rank {last} has variant=Variant\(.*logits_soft_cap=0.0.*rank 0 has "
                                   r"Variant\(.*logits_soft_cap=5.0"),
@@ -341,9 +347,9 @@ def test_bad_input_raises_the_same_error_on_every_rank(ranks):
     for name in (n for n in ranks[0] if n.startswith("bad-")):
         kind, pattern = expected[name.removeprefix("bad-")]
         outcomes = [r[name] for r in ranks]
+        assert [status for status, _ in outcomes] == [kind] * world, f"{name}: {outcomes}"
         assert len({message for _, message in outcomes}) == 1, f"{name}: ranks differ: {outcomes}"
-        status, message = outcomes[0]
-        assert status == kind, f"{name}: {outcomes[0]}"
+        message = outcomes[0][1]
         assert re.search(pattern, message), f"{name}: {message!r} does not match {pattern!r}"
 
 
@@ -373,7 +379,7 @@ def _nccl_worker(rank, world, where):
 
 
 def _spawn_nccl(where):
-    tmp.start_processes(_nccl_worker, args=(2, str(where)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_nccl_worker, args=(2, str(where)), nprocs=2, join=True, start_method="spawn")
     results = []
     for r in range(2):
         with open(os.path.join(where, f"rank{r}.pkl"), "rb") as f:
