@@ -21,7 +21,7 @@ def kv_as_slots(x, spec: AttentionSpec, scale=None, dtype=np.float64) -> np.ndar
     x = np.asarray(x)
     if spec.kv_view == "HND":
         x = x.transpose(0, 2, 1, 3)
-    x = x.reshape(-1, spec.num_kv_heads, spec.head_dim).astype(dtype)
+    x = x.reshape(-1, spec.num_kv_heads, spec.head_dim).astype(dtype, copy=False)
     if spec.kv_is_fp8 and scale is not None:
         x = x * dtype(scale)
     return x
@@ -34,5 +34,12 @@ def row_slots(layout, r: int, kv_start: int, kv_end: int) -> np.ndarray:
 
 
 def gather(kv_slots: np.ndarray, layout, r: int, kv_start: int, kv_end: int) -> np.ndarray:
-    """``[kv_end - kv_start, num_kv_heads, head_dim]``: the KV rows of a range of row ``r``."""
-    return kv_slots[row_slots(layout, r, kv_start, kv_end)]
+    """``[kv_end - kv_start, num_kv_heads, head_dim]``: the KV rows of a range of row ``r``.
+
+    A range whose slots are consecutive (ragged and dense layouts: the "dense path") is a view of the pool, not
+    a copy; the values are the same either way.
+    """
+    slots = row_slots(layout, r, kv_start, kv_end)
+    if slots.size and slots[-1] - slots[0] == slots.size - 1 and (np.diff(slots) == 1).all():
+        return kv_slots[slots[0]:slots[-1] + 1]
+    return kv_slots[slots]

@@ -21,6 +21,15 @@ Numbers that are not numbers (the same on every tier, per query row and head):
   ``lse = -inf``, whatever ``v`` holds.
 
 FlashSigmoid follows the same rules (a NaN score makes ``o`` NaN; ``sigmoid(+-inf)`` is 1 or 0).
+
+:func:`attend` is the formula, all of a tile's keys at once with a plain softmax (no online rescaling), the
+two products ``q . k`` and ``p . v`` on BLAS (``np.matmul``), a KV head's ``G`` query heads batched as one
+matrix (:func:`per_kv_head`), so that each KV head's keys are read once per tile.
+:func:`attend_range` is the loop around it: it gathers a (row, KV range)'s keys and values once and feeds
+the row's queries through :func:`attend` in tiles of at most ``TILE_SCORES`` scores (``[Hq, rows, m]``), so
+memory stays bounded whatever the row's length. A tile reads only the span of keys some of its queries can
+see (a causal tile stops at its last query's position): a hidden key contributes nothing, so leaving it out
+changes no answer.
 """
 
 from __future__ import annotations
@@ -28,13 +37,23 @@ from __future__ import annotations
 import numpy as np
 
 from bsrattn import indexing
+from bsrattn.reference.gather import gather
+
+TILE_SCORES = 1 << 23  # scores per tile: 64 MiB of float64, a 128-query tile of a 2048-key row with 32 heads
+
+
+def per_kv_head(x, num_kv_heads):
+    """``x [Hq, n, X]`` as ``[Hkv, G*n, X]``: query head ``h`` reads KV head ``h // G`` (GQA), so a KV head's
+    ``G`` query heads are one matrix against its keys and values."""
+    return x.reshape(num_kv_heads, x.shape[0] // num_kv_heads * x.shape[1], x.shape[2])
 
 
 def scores(q, k, q_pos, k_pos, variant, sm_scale, dtype=np.float64):
-    """``[Hq, n, m]`` transformed scores (soft cap, ALiBi) before masking."""
-    group = q.shape[1] // k.shape[1]
-    k = np.repeat(k.astype(dtype), group, axis=1)
-    s = np.einsum("nhd,mhd->hnm", q.astype(dtype), k) * dtype(sm_scale)
+    """``[Hq, n, m]`` transformed scores (soft cap, ALiBi) before masking, of ``q [n, Hq, D]`` and ``k [m, Hkv, D]``."""
+    (n, num_qo_heads, _), (m, num_kv_heads, _) = q.shape, k.shape
+    q = per_kv_head(q.astype(dtype).transpose(1, 0, 2), num_kv_heads)          # [Hkv, G*n, D]
+    s = np.matmul(q, k.astype(dtype).transpose(1, 2, 0)).reshape(num_qo_heads, n, m)
+    s *= dtype(sm_scale)
     if variant.logits_soft_cap > 0:
         cap = dtype(variant.logits_soft_cap)
         s = cap * np.tanh(s / cap)
@@ -42,6 +61,12 @@ def scores(q, k, q_pos, k_pos, variant, sm_scale, dtype=np.float64):
         slopes = np.asarray(variant.alibi_slopes, dtype=dtype)
         s = s + slopes[:, None, None] * (k_pos[None, None, :] - q_pos[None, :, None]).astype(dtype)
     return s
+
+
+def weighted_sum(w, v):
+    """``sum_j w_ij v_j`` of weights ``w [Hq, n, m]`` and values ``v [m, Hkv, D]``: ``[n, Hq, D]``."""
+    o = np.matmul(per_kv_head(w, v.shape[1]), v.transpose(1, 0, 2))               # [Hkv, G*n, D]
+    return o.reshape(w.shape[0], w.shape[1], v.shape[2]).transpose(1, 0, 2)
 
 
 def attend(q, k, v, q_pos, k_pos, variant, sm_scale, mask=None, dtype=np.float64):
@@ -52,29 +77,36 @@ def attend(q, k, v, q_pos, k_pos, variant, sm_scale, mask=None, dtype=np.float64
     """
     n, num_qo_heads, _ = q.shape
     group = num_qo_heads // k.shape[1]
-    with np.errstate(invalid="ignore", over="ignore"):   # non-finite inputs: see the rules above
-        s = scores(q, k, q_pos, k_pos, variant, sm_scale, dtype)
     visible = indexing.key_visible(q_pos[:, None], k_pos[None, :], variant.causal, variant.window_left)
     if mask is not None:
         visible = visible & mask
-    v = np.repeat(v.astype(dtype), group, axis=1)
+    # Only the span of keys some query sees is read (a causal tile stops at its last query): a hidden key adds
+    # nothing, so the answer is the same, and a tile of a long row costs its visible part.
+    seen = np.flatnonzero(visible.any(axis=0))
+    span = slice(seen[0], seen[-1] + 1) if seen.size else slice(0, 0)
+    k, v, k_pos, visible = k[span], v[span], k_pos[span], visible[:, span]
+    with np.errstate(invalid="ignore", over="ignore"):   # non-finite inputs: see the rules above
+        s = scores(q, k, q_pos, k_pos, variant, sm_scale, dtype)
     # Hidden keys must not reach P @ V even as 0 * NaN: their values are replaced by 0, and a non-finite value
     # of a visible key is recorded instead, per (query, head).
+    v = v.astype(dtype)
     finite = np.isfinite(v)
-    v_bad = ~finite.all(axis=2)                                           # [m, Hq]
-    poisoned = (visible[None, :, :] & v_bad.T[:, None, :]).any(axis=2).T  # [n, Hq]
+    v_bad = np.repeat(~finite.all(axis=2), group, axis=1)                  # [m, Hq]
+    bad = np.flatnonzero(v_bad.any(axis=1))                                # the few keys worth a look
+    poisoned = (visible[:, bad, None] & v_bad[None, bad, :]).any(axis=1)   # [n, Hq]
     v = np.where(finite, v, 0)
     with np.errstate(invalid="ignore", over="ignore"):
         if variant.use_sigmoid:
             w = np.where(visible, 1.0 / (1.0 + np.exp(-(s + dtype(variant.sigmoid_bias)))), 0).astype(dtype)
-            o = np.einsum("hnm,mhd->nhd", w, v)
+            o = weighted_sum(w, v)
             return np.where(poisoned[:, :, None], np.nan, o), np.full((n, num_qo_heads), np.nan, dtype)
-        s = np.where(visible, s, -np.inf)
+        np.copyto(s, -np.inf, where=~visible)
         m = s.max(axis=2, initial=-np.inf)                  # NaN if a visible score is NaN
         m_safe = np.where(m == -np.inf, 0, m)               # an empty row shifts by 0, not by -inf
-        p = np.exp(s - m_safe[:, :, None])                  # a +inf score gives exp(inf - inf) = NaN
+        s -= m_safe[:, :, None]                             # in place: s is the tile's one large array
+        p = np.exp(s, out=s)                                # a +inf score gives exp(inf - inf) = NaN
         denom = p.sum(axis=2).T                             # [n, Hq]
-        o = np.einsum("hnm,mhd->nhd", p, v) / np.where(denom == 0, 1, denom)[:, :, None]
+        o = weighted_sum(p, v) / np.where(denom == 0, 1, denom)[:, :, None]
     o = np.where((poisoned & (denom != 0))[:, :, None], np.nan, o)
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = m_safe.T + np.log(denom)
@@ -84,10 +116,9 @@ def attend(q, k, v, q_pos, k_pos, variant, sm_scale, mask=None, dtype=np.float64
 def attend_range(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_end, dtype=np.float64):
     """State of query rows ``qo_start:qo_end`` of block row ``r`` over its logical KV ``kv_start:kv_end``.
 
-    The shared body of the reference attention (whole rows) and of the plan executor (work items).
+    The shared body of the reference attention (whole rows) and of the plan executor (work items): the KV
+    range gathered once, the queries through :func:`attend` a tile of rows at a time.
     """
-    from bsrattn.reference.gather import gather
-
     layout = spec.layout
     qo_len, kv_len = int(layout.qo_lens[r]), int(layout.kv_lens[r])
     local = np.arange(qo_start, qo_end) - int(layout.qo_indptr[r])
@@ -98,4 +129,12 @@ def attend_range(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
         mask = mask[local][:, kv_start:kv_end]
     k = gather(k_slots, layout, r, kv_start, kv_end)
     v = gather(v_slots, layout, r, kv_start, kv_end)
-    return attend(np.asarray(q)[qo_start:qo_end], k, v, q_pos, k_pos, spec.variant, spec.sm_scale, mask, dtype)
+    q = np.asarray(q)[qo_start:qo_end]
+    o = np.zeros(q.shape[:2] + (spec.head_dim,), dtype)
+    lse = np.full(q.shape[:2], -np.inf, dtype)
+    rows = max(1, TILE_SCORES // max(1, spec.num_qo_heads * (kv_end - kv_start)))
+    for t in range(0, len(q), rows):
+        tile = slice(t, t + rows)
+        o[tile], lse[tile] = attend(q[tile], k, v, q_pos[tile], k_pos, spec.variant, spec.sm_scale,
+                                    None if mask is None else mask[tile], dtype)
+    return o, lse
