@@ -4,12 +4,19 @@ This is the executable spec of the numba and torch executors: each CTA walks its
 an item of a split tile writes its partial state into its workspace rows, an unsplit item writes the output
 directly; then each merge list folds its partial states in the order the plan gives. The result is a pure
 function of the inputs and the plan (no order depends on timing).
+
+An item's state is :func:`~bsrattn.reference.microkernel.attend_range`, the body the row-by-row
+:func:`~bsrattn.reference.attention.attention_rows` uses too: its KV range gathered once, its queries in
+tiles of bounded size that read only the keys they can see. Neither path holds a ``[Hq, qo_len, kv_len]``
+array for a whole row: for a 2048-token prefill that is gigabytes of float64, slow to fill and to reduce, and
+would make the row-by-row path slower than the executor's 16-query items.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from bsrattn.reference.attention import Progress
 from bsrattn.reference.gather import kv_as_slots
 from bsrattn.reference.merge import merge_state, sum_states
 from bsrattn.reference.microkernel import attend_range
@@ -25,6 +32,9 @@ def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.fl
     part_o = np.full((work_plan.num_partial_rows,) + shape[1:], np.nan, dtype)
     part_lse = np.full((work_plan.num_partial_rows, shape[1]), np.nan, dtype)
     q = np.asarray(q)
+    rows = (work_plan.item_qo_end - work_plan.item_qo_start).astype(np.int64)
+    sizes = rows * (work_plan.item_kv_end - work_plan.item_kv_start)
+    progress = Progress("reference executor", int(sizes.sum()))
     for cta in range(work_plan.num_ctas):
         for w in range(work_plan.cta_indptr[cta], work_plan.cta_indptr[cta + 1]):
             qs, qe = int(work_plan.item_qo_start[w]), int(work_plan.item_qo_end[w])
@@ -35,6 +45,8 @@ def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.fl
                 out[qs:qe], lse[qs:qe] = o, s
             else:
                 part_o[p:p + qe - qs], part_lse[p:p + qe - qs] = o, s
+            progress.advance(sizes[w])
+    progress.close()
     for m in range(work_plan.num_merges):
         qs, qe = int(work_plan.merge_qo_start[m]), int(work_plan.merge_qo_end[m])
         starts = work_plan.merge_partials[work_plan.merge_indptr[m]:work_plan.merge_indptr[m + 1]]
