@@ -1,0 +1,89 @@
+"""The reference tier at real sizes, on a CPU: fast enough to learn from, memory bounded.
+
+The target (a 2-core CPU, 32 query / 8 KV heads, head_dim 128, ragged layout, float32 inputs): 16 requests x
+2048 tokens take <= 1 s to decode (one query per request) and <= 20 s for a causal prefill. CI runs the full
+decode and a causal prefill of 16 x 512, which has 1/16 of the full prefill's visible scores (each request's
+triangle is 16 times smaller), so its bound is 20 s / 16 = 1.25 s, widened 4x for a shared CI machine: 5 s.
+The decode bound is widened the same way. The memory check: a 1 x 4096 causal prefill, whose whole-row score
+array alone would be 32 x 4096 x 4096 float64 (4 GiB), stays under 768 MiB of traced allocations (the inputs
+and outputs are 200 MiB of that).
+
+``python tests/test_reference_speed.py`` times the full-size case (decode and causal prefill, through
+``ba.attention`` and through a plan) and prints the times and peak memory.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+
+import bsrattn as ba
+
+HQ, HKV, D = 32, 8, 128
+SLACK = 4  # a shared 2-core CI machine: the bounds are the targets scaled to the case, times this
+
+
+def ragged_case(batch, kv_len, qo_len, seed=0):
+    rng = np.random.default_rng(seed)
+    layout = ba.layouts.ragged([qo_len] * batch, [kv_len] * batch)
+    q = rng.standard_normal((batch * qo_len, HQ, D), dtype=np.float32)
+    k, v = rng.standard_normal((2, batch * kv_len, HKV, D), dtype=np.float32)
+    return layout, q, k, v, ba.Variant(causal=qo_len > 1)
+
+
+def best_of(runs, fn):
+    """The fastest of ``runs`` calls, in seconds: the least disturbed by other work on the machine."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def attention(layout, q, k, v, variant):
+    return ba.attention(q, k, v, layout, variant=variant, backend="reference", return_lse=True)
+
+
+def test_full_size_decode_is_fast():
+    case = ragged_case(16, 2048, 1)
+    seconds = best_of(2, lambda: attention(*case))
+    assert seconds <= 1.0 * SLACK, f"16 x 2048 decode took {seconds:.2f} s (target 1 s)"
+
+
+def test_causal_prefill_is_fast():
+    case = ragged_case(16, 512, 512)
+    seconds = best_of(2, lambda: attention(*case))
+    assert seconds <= 20.0 / 16 * SLACK, f"16 x 512 causal prefill took {seconds:.2f} s (target 20 s / 16)"
+
+
+def test_causal_prefill_memory_is_bounded():
+    case = ragged_case(1, 4096, 4096)
+    tracemalloc.start()
+    try:
+        out, lse = attention(*case)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert peak <= 768 * 2**20, f"1 x 4096 causal prefill peaked at {peak / 2**20:.0f} MiB (limit 768 MiB)"
+
+
+def benchmark():
+    """Time the full-size case through ``ba.attention`` and through a plan; print seconds and peak memory."""
+    for name, qo_len in (("decode", 1), ("causal prefill", 2048)):
+        layout, q, k, v, variant = case = ragged_case(16, 2048, qo_len)
+        attn = ba.BatchAttention(backend="reference")
+        attn.plan(layout, HQ, HKV, D, variant=variant)
+        for how, fn in (("ba.attention", lambda: attention(*case)), ("BatchAttention.run", lambda: attn.run(q, k, v))):
+            tracemalloc.start()
+            seconds = best_of(1, fn)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            print(f"16 x 2048 {name:>14} {how:>18}: {seconds:6.2f} s, peak {peak / 2**20:6.0f} MiB", flush=True)
+
+
+if __name__ == "__main__":
+    benchmark()
