@@ -64,10 +64,10 @@ def _numpy(x):
 
 # ---- jobs, run on every rank ------------------------------------------------------------------------------
 
-def _job_attention(rank, world, *, tier, sharding, case):
+def _job_attention(rank, world, *, tier, sharding, case, dtype):
     """``(out, lse)`` of ``case`` (``lse`` None for FlashSigmoid), this rank holding its shard."""
     qo_lens, kv_lens, variant = CASES[case]
-    q, k, v = _problem(case)
+    q, k, v = _problem(case, dtype)
     part = distributed.shard(qo_lens, kv_lens, rank=rank, world_size=world, sharding=sharding)
     args = _on_tier(tier, q, k[part.global_slots], v[part.global_slots])
     result = distributed.context_parallel_attention(*args, part, variant=variant, backend=tier,
@@ -165,14 +165,15 @@ def _spawn(world, jobs, where):
     return results
 
 
-def _attention_jobs(tiers, cases):
-    return [(f"{tier}-{sharding}-{case}", "attention", dict(tier=tier, sharding=sharding, case=case))
+def _attention_jobs(tiers, cases, dtype="float32"):
+    return [(f"{tier}-{sharding}-{case}-{dtype}", "attention",
+             dict(tier=tier, sharding=sharding, case=case, dtype=dtype))
             for tier in tiers for sharding in distributed.SHARDINGS for case in cases]
 
 
 TWO_RANK_JOBS = ([(f"bad-{what}", "bad", dict(what=what)) for what in BAD]
                  + _attention_jobs(("reference",), CASES) + _attention_jobs(("numba", "torch"), ("decode", "prefill"))
-                 + [("layers", "layers", {})])
+                 + _attention_jobs(("reference",), ("decode", "prefill"), "float16") + [("layers", "layers", {})])
 FOUR_RANK_JOBS = ([(f"bad-{what}", "bad", dict(what=what)) for what in ("overlap", "moved", "heads", "q_shape")]
                   + _attention_jobs(("reference",), CASES))
 
@@ -194,10 +195,10 @@ def ranks(request):
 
 # ---- what one process computes ------------------------------------------------------------------------------
 
-def _one_process(tier, sharding, case, world):
+def _one_process(world, *, tier, sharding, case, dtype):
     """The shards' states, each from the tier's plan/run on the shard's layout, folded in rank order."""
     qo_lens, kv_lens, variant = CASES[case]
-    q, k, v = _problem(case)
+    q, k, v = _problem(case, dtype)
     states = []
     for part in distributed.shards(qo_lens, kv_lens, world_size=world, sharding=sharding):
         layout, local_variant = part.attention_layout(variant)
@@ -215,9 +216,10 @@ def _one_process(tier, sharding, case, world):
     return _numpy(out), _numpy(lse)
 
 
-def _unsharded(case):
+def _unsharded(case, dtype):
+    """The float64 oracle of ``case`` on its inputs rounded to ``dtype``."""
     qo_lens, kv_lens, variant = CASES[case]
-    q, k, v = (x.astype(np.float64) for x in _problem(case))
+    q, k, v = (x.astype(np.float64) for x in _problem(case, dtype))
     layout = ba.layouts.ragged(qo_lens, kv_lens)
     if variant.use_sigmoid:
         return ba.attention(q, k, v, layout, variant=variant, backend="reference"), None
@@ -281,32 +283,30 @@ def test_decode_needs_no_mask_and_prefill_masks_global_positions():
 
 
 def test_two_ranks_agree_bitwise_with_one_process_on_every_tier(two_ranks):
-    names = [name for name, kind, _ in TWO_RANK_JOBS if kind == "attention"]
-    assert {name.split("-")[0] for name in names} == set(TIERS)
-    for name in names:
-        tier, sharding, case = name.split("-")
-        got = _outcome(two_ranks, name)
-        want = _one_process(tier, sharding, case, 2)
-        for r, g in enumerate(got):
+    jobs = [(name, params) for name, kind, params in TWO_RANK_JOBS if kind == "attention"]
+    assert {params["tier"] for _, params in jobs} == set(TIERS)
+    for name, params in jobs:
+        want = _one_process(2, **params)
+        for r, g in enumerate(_outcome(two_ranks, name)):
             _assert_bitwise(g, want, f"{name}, rank {r}")
 
 
 def test_four_ranks_agree_bitwise_with_one_process(four_ranks):
     for name, kind, params in FOUR_RANK_JOBS:
         if kind == "attention":
-            want = _one_process("reference", params["sharding"], params["case"], 4)
+            want = _one_process(4, **params)
             for r, g in enumerate(_outcome(four_ranks, name)):
                 _assert_bitwise(g, want, f"{name}, rank {r}")
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("sharding", distributed.SHARDINGS)
-def test_sharded_equals_unsharded_to_rounding(ranks, sharding, case):
-    want_out, want_lse = _unsharded(case)
-    out, lse = _outcome(ranks, f"reference-{sharding}-{case}")[0]
-    testing.assert_close(out, want_out, "attention", "float32", name=f"{sharding} {case} out")
-    if want_lse is not None:
-        testing.assert_close(lse, want_lse, "lse", "float32", name=f"{sharding} {case} lse")
+def test_sharded_equals_unsharded_to_rounding(ranks):
+    for name, kind, params in TWO_RANK_JOBS if len(ranks) == 2 else FOUR_RANK_JOBS:
+        if kind == "attention":
+            want_out, want_lse = _unsharded(params["case"], params["dtype"])
+            out, lse = _outcome(ranks, name)[0]
+            testing.assert_close(out, want_out, "attention", params["dtype"], name=f"{name} out")
+            if want_lse is not None:
+                testing.assert_close(lse, want_lse, "lse", params["dtype"], name=f"{name} lse")
 
 
 def test_one_plan_serves_several_layers(two_ranks):
