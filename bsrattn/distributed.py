@@ -463,6 +463,10 @@ class ContextParallelAttention:
         ``k``/``v`` this rank's pool as the shard's layout addresses it, NumPy arrays or torch tensors of the
         kinds the tier takes. Every rank must call it, and the same number of times.
 
+        Each call all-gathers one status word per rank and reads it on the host before the states are
+        exchanged, so that an error on one rank is raised on all: the call synchronises with the device
+        once, and as it stands cannot be captured in a CUDA graph.
+
         Raises
         ------
         ValueError
