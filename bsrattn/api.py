@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import operator
 
+from typing import TYPE_CHECKING
+
 from bsrattn import scheduler
-from bsrattn.backends import get_backend
+from bsrattn._types import Array, DType
+from bsrattn.backends import Backend, get_backend
 from bsrattn.layout import BSRLayout, Cascade
 from bsrattn.state import write_into
 from bsrattn.validation import FLOAT_DTYPES, AttentionSpec, check_array, dtype_name, make_spec, shape_of, \
     spec_from_inputs
 from bsrattn.variant import Variant
+
+if TYPE_CHECKING:
+    from bsrattn.scheduler import WorkPlan
 
 __all__ = ["attention", "BatchAttention", "merge_state", "merge_states"]
 
@@ -51,20 +57,28 @@ def _merge_levels(backend, states, variant, out, lse):
     return write_into(o, s, out, lse)
 
 
-def attention(q, k, v, layout, *, variant=None, backend=None, kv_layout="NHD", return_lse=False, out=None,
-              lse=None, k_scale=None, v_scale=None):
+def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, variant: Variant | None = None,
+              backend: str | Backend | None = None, kv_layout: str = "NHD", return_lse: bool = False,
+              out: Array | None = None, lse: Array | None = None, k_scale: float | None = None,
+              v_scale: float | None = None) -> Array | tuple[Array, Array]:
     """Attention of every query row over its KV, for any layout.
 
     Parameters
     ----------
-    q : ``[nnz_qo, num_qo_heads, head_dim]``
+    q : array, ``[nnz_qo, num_qo_heads, head_dim]``
+        The queries, one row per query of every block row, in the layout's ``qo_indptr`` order (float32,
+        float16 or bfloat16).
     k, v : arrays
         ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), ``[num_blocks, num_kv_heads, block_size,
         head_dim]`` (``kv_layout="HND"``) or ``[N, num_kv_heads, head_dim]`` when ``block_size == 1``.
     layout : BSRLayout or Cascade
+        Which KV slots each query row reads (a Cascade: levels whose states are merged with ⊕).
     variant : Variant, optional
+        How scores become weights (scale, masks, soft cap, ALiBi, FlashSigmoid); default ``Variant()``.
     backend : str or Backend, optional
         ``"reference"``, ``"numba"``, ``"torch"`` or ``"auto"``; default: the flag (see :mod:`bsrattn.backends`).
+    kv_layout : {"NHD", "HND"}
+        The storage order of ``k`` and ``v`` (see above).
     return_lse : bool
         Also return ``lse [nnz_qo, num_qo_heads]``, float32, natural log.
     out, lse : arrays, optional
@@ -128,6 +142,19 @@ def attention(q, k, v, layout, *, variant=None, backend=None, kv_layout="NHD", r
 class BatchAttention:
     """Plan once per step (host), run once per layer (device): FlashInfer's inspector-executor split.
 
+    Parameters
+    ----------
+    backend : str or Backend, optional
+        The tier that plans and runs, ``"reference"``, ``"numba"``, ``"torch"`` or ``"auto"``; default: the
+        flag's choice when the object is made (see :mod:`bsrattn.backends`).
+
+    Raises
+    ------
+    ValueError
+        An unknown backend name.
+    BackendError
+        A backend whose dependency is not installed.
+
     Examples
     --------
     >>> import numpy as np, bsrattn as ba
@@ -140,26 +167,63 @@ class BatchAttention:
     True
     """
 
-    def __init__(self, backend=None):
+    def __init__(self, backend: str | Backend | None = None) -> None:
         self.backend = get_backend(backend)
         self._args: tuple = ()
         self._specs: list = []
         self._runners: list = []
 
-    def plan(self, layout, num_qo_heads, num_kv_heads, head_dim, *, variant=None, q_dtype=None, kv_dtype=None,
-             kv_layout="NHD", num_ctas=None, fixed_split_size=None, disable_split_kv=False):
+    def plan(self, layout: BSRLayout | Cascade, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+             variant: Variant | None = None, q_dtype: DType | None = None, kv_dtype: DType | None = None,
+             kv_layout: str = "NHD", num_ctas: int | None = None, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False) -> None:
         """Compute the :class:`~bsrattn.scheduler.WorkPlan` for ``layout`` and bind it to this object.
 
         ``num_ctas`` counts CTAs **per KV head**, not in all: every KV head runs the same plan on its own
         ``num_ctas`` CTAs, so a launch is ``num_ctas x num_kv_heads`` CTAs. The default is the tier's (one wave
         of the GPU, with the tier's minimum chunk and chunk alignment); a given ``num_ctas`` plans Algorithm 1
-        exactly at that count, with chunks of ``L_kv`` slots. ``fixed_split_size`` fixes the KV chunk size (batch invariance);
-        ``disable_split_kv`` gives each query tile one item.
+        exactly at that count, with chunks of ``L_kv`` slots. ``fixed_split_size`` fixes the KV chunk size (batch
+        invariance); ``disable_split_kv`` gives each query tile one item.
         Calling ``plan`` again refills the tier's buffers in place where it can (CUDA-graph replay).
 
         Ints (heads, ``head_dim``, ``num_ctas``, ``fixed_split_size``) may be NumPy integers but not floats or
         bools; ``q_dtype``/``kv_dtype`` may be names, torch dtypes or NumPy dtypes. ``num_ctas`` is at most
         ``bsrattn.scheduler.MAX_CTAS`` (2**20).
+
+        Parameters
+        ----------
+        layout : BSRLayout or Cascade
+            The step's layout; a Cascade gets one plan per level.
+        num_qo_heads, num_kv_heads : int
+            Query and KV heads (``num_qo_heads % num_kv_heads == 0``).
+        head_dim : int
+            The head dimension of ``q``, ``k`` and ``v``.
+        variant : Variant, optional
+            How scores become weights; default ``Variant()``.
+        q_dtype, kv_dtype : str or dtype, optional
+            The dtypes ``run`` must then be given; None leaves that dtype free (any supported one).
+        kv_layout : {"NHD", "HND"}
+            The storage order of ``k`` and ``v`` (see :func:`attention`).
+        num_ctas : int, optional
+            CTAs per KV head; default: the tier's.
+        fixed_split_size : int, optional
+            KV slots per chunk instead of Algorithm 1's ``L_kv`` (batch invariance).
+        disable_split_kv : bool
+            One work item per query tile over its whole KV.
+
+        Returns
+        -------
+        None
+            The plan is bound to this object (see :attr:`work_plans`).
+
+        Raises
+        ------
+        TypeError
+            ``layout`` not a BSRLayout or a Cascade, an int argument that is a float or a bool, a dtype that is
+            not supported.
+        ValueError
+            A head count, ``head_dim`` or option out of range, ``num_qo_heads`` not a multiple of
+            ``num_kv_heads``, a variant that does not fit the layout or the heads.
         """
         variant = _PLAIN if variant is None else variant
         levels = _levels(layout)
@@ -188,11 +252,13 @@ class BatchAttention:
         self._args, self._specs, self._runners = args, specs, runners
 
     @property
-    def work_plans(self) -> list:
+    def work_plans(self) -> list[WorkPlan]:
         """The current plan of each level (one for a plain layout)."""
         return [r.work_plan for r in self._runners]
 
-    def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+    def run(self, q: Array, k: Array, v: Array, *, out: Array | None = None, lse: Array | None = None,
+            return_lse: bool = False, k_scale: float | None = None,
+            v_scale: float | None = None) -> Array | tuple[Array, Array]:
         """Execute the plan on ``q``, ``k``, ``v`` (shapes as in :func:`attention`); may be called many times.
 
         NaN and infinities follow :func:`attention`'s rules, however the plan splits the rows. Each call is
@@ -200,6 +266,32 @@ class BatchAttention:
         finished, overlapped or stopped part-way. Calls from several Python threads or CUDA streams take
         turns over the buffers, so each gets its own answer; the replays of a captured CUDA graph are
         ordered by whoever replays them.
+
+        Parameters
+        ----------
+        q : array, ``[nnz_qo, num_qo_heads, head_dim]``
+            The queries, of the planned ``q_dtype``.
+        k, v : arrays
+            The KV pool, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD) or as planned
+            ``kv_layout`` says, of the planned ``kv_dtype``.
+        out, lse : arrays, optional
+            Buffers to write into: ``out`` like ``q``, ``lse [nnz_qo, num_qo_heads]`` float32.
+        return_lse : bool
+            Also return ``lse``, float32, natural log.
+        k_scale, v_scale : float, optional
+            Dequantisation scales of fp8 KV.
+
+        Returns
+        -------
+        out or (out, lse)
+            As :func:`attention` returns them.
+
+        Raises
+        ------
+        RuntimeError
+            ``run`` called before :meth:`plan`.
+        TypeError, ValueError
+            Tensors that do not match the plan (shapes, dtypes, devices), as :func:`attention` raises them.
         """
         if not self._runners:
             raise RuntimeError("BatchAttention.run called before plan()")
@@ -231,7 +323,8 @@ def _check_state(name_o, o, name_lse, lse):
                          f"need {name_o} [..., H, D] and {name_lse} [..., H]")
 
 
-def merge_state(o_a, lse_a, o_b, lse_b, *, backend=None):
+def merge_state(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *,
+                backend: str | Backend | None = None) -> tuple[Array, Array]:
     """The ⊕ operator: merge two attention states over disjoint keys. See :mod:`bsrattn.reference.merge`.
 
     ``o_a``, ``o_b`` ``[..., H, D]`` and ``lse_a``, ``lse_b`` ``[..., H]`` are arrays of real floats (float64,
@@ -241,6 +334,28 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, backend=None):
     An empty state (``lse = -inf``) is the identity whatever its ``o`` holds, NaN included; an ``lse`` of NaN
     or ``+inf`` in either state gives NaN ``o`` and ``lse``; a NaN in a non-empty state's ``o`` reaches the
     result. The same on every tier.
+
+    Parameters
+    ----------
+    o_a, o_b : arrays, ``[..., H, D]``
+        The two states' outputs, of one shape.
+    lse_a, lse_b : arrays, ``[..., H]``
+        Their log-sum-exps, natural log.
+    backend : str or Backend, optional
+        The tier that merges; default: the flag (see :mod:`bsrattn.backends`).
+
+    Returns
+    -------
+    (o, lse)
+        The merged state: ``o [..., H, D]``, ``lse [..., H]``, of the inputs' array kind.
+
+    Raises
+    ------
+    TypeError
+        An input that is not an array of real floats.
+    ValueError
+        ``lse_a``/``lse_b`` not ``o_a``/``o_b``'s shape without its last axis, or ``o_a`` and ``o_b`` of
+        different shapes.
 
     Examples
     --------
@@ -257,11 +372,32 @@ def merge_state(o_a, lse_a, o_b, lse_b, *, backend=None):
     return get_backend(backend).merge_state(o_a, lse_a, o_b, lse_b)
 
 
-def merge_states(o, lse, *, backend=None):
+def merge_states(o: Array, lse: Array, *, backend: str | Backend | None = None) -> tuple[Array, Array]:
     """Fold ``o [n, S, H, D]``, ``lse [n, S, H]`` over ``S`` in index order. See :mod:`bsrattn.reference.merge`.
 
     The fold is ``((s_0 ⊕ s_1) ⊕ s_2) ⊕ …``, always in that order, on every tier (see :func:`merge_state`).
     ``o`` and ``lse`` must be arrays of real floats, as in :func:`merge_state`.
+
+    Parameters
+    ----------
+    o : array, ``[n, S, H, D]``
+        ``S`` states' outputs for each of ``n`` rows.
+    lse : array, ``[n, S, H]``
+        Their log-sum-exps, natural log.
+    backend : str or Backend, optional
+        The tier that merges; default: the flag (see :mod:`bsrattn.backends`).
+
+    Returns
+    -------
+    (o, lse)
+        The folded state: ``o [n, H, D]``, ``lse [n, H]``.
+
+    Raises
+    ------
+    TypeError
+        ``o`` or ``lse`` not an array of real floats.
+    ValueError
+        Shapes other than ``[n, S, H, D]`` and ``[n, S, H]``, or ``S == 0``.
 
     Examples
     --------

@@ -20,6 +20,15 @@ import contextvars
 import importlib
 import importlib.util
 import os
+from collections.abc import Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from bsrattn._types import Array
+
+if TYPE_CHECKING:
+    from bsrattn.scheduler import WorkPlan
+    from bsrattn.validation import AttentionSpec
 
 REGISTRY = {
     "reference": "bsrattn.reference",
@@ -60,6 +69,13 @@ class Backend:
     The methods below are the whole interface between the shared code and a tier; each calls the module's
     function of the same name. The inputs were validated before a method is called (see :mod:`bsrattn.api`).
 
+    Parameters
+    ----------
+    name : str
+        The tier's name, as :data:`REGISTRY` lists it.
+    module : module
+        The tier's module, providing each of :data:`TIER_FUNCTIONS`.
+
     Raises
     ------
     TypeError
@@ -73,7 +89,7 @@ class Backend:
     ('reference', True)
     """
 
-    def __init__(self, name: str, module):
+    def __init__(self, name: str, module: ModuleType) -> None:
         missing = [f for f in TIER_FUNCTIONS if not callable(getattr(module, f, None))]
         if missing:
             raise TypeError(f"backend {name!r} ({getattr(module, '__name__', module)!r}) does not provide "
@@ -81,36 +97,121 @@ class Backend:
         self.name = name
         self.module = module
 
-    def attention(self, spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+    def attention(self, spec: AttentionSpec, q: Array, k: Array, v: Array, *, out: Array | None = None,
+                  lse: Array | None = None, return_lse: bool = False, k_scale: float | None = None,
+                  v_scale: float | None = None) -> tuple[Array, Array | None]:
         """Attention over ``spec.layout`` (one BSRLayout): ``(out, lse)``, ``lse`` None unless ``return_lse``.
 
         ``q [nnz_qo, num_qo_heads, head_dim]``, ``k``/``v`` as ``spec.kv_view`` says; ``out``/``lse`` are
         buffers to write into, ``k_scale``/``v_scale`` the dequantisation scales of fp8 KV.
+
+        Parameters
+        ----------
+        spec : AttentionSpec
+            The validated layout, heads, variant, dtypes and KV view.
+        q : array, ``[nnz_qo, num_qo_heads, head_dim]``
+            The queries.
+        k, v : arrays
+            The KV pool, in the form ``spec.kv_view`` names.
+        out, lse : arrays, optional
+            Buffers to write into (``[nnz_qo, num_qo_heads, head_dim]``, ``[nnz_qo, num_qo_heads]``).
+        return_lse : bool
+            Whether to compute ``lse``.
+        k_scale, v_scale : float, optional
+            Dequantisation scales of fp8 KV.
+
+        Returns
+        -------
+        (out, lse)
+            ``lse`` is None unless ``return_lse``.
         """
         return self.module.attention(spec, q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale,
                                      v_scale=v_scale)
 
-    def merge_state(self, o_a, lse_a, o_b, lse_b):
-        """The ⊕ of two states ``o [..., H, D]``, ``lse [..., H]``: ``(o, lse)``."""
+    def merge_state(self, o_a: Array, lse_a: Array, o_b: Array, lse_b: Array) -> tuple[Array, Array]:
+        """The ⊕ of two states ``o [..., H, D]``, ``lse [..., H]``: ``(o, lse)``.
+
+        Parameters
+        ----------
+        o_a, o_b : arrays, ``[..., H, D]``
+            The states' outputs.
+        lse_a, lse_b : arrays, ``[..., H]``
+            Their log-sum-exps, natural log.
+
+        Returns
+        -------
+        (o, lse)
+            The merged state, ``[..., H, D]`` and ``[..., H]``.
+        """
         return self.module.merge_state(o_a, lse_a, o_b, lse_b)
 
-    def merge_states(self, o, lse):
-        """Fold ``o [n, S, H, D]``, ``lse [n, S, H]`` over ``S`` in index order: ``(o [n, H, D], lse [n, H])``."""
+    def merge_states(self, o: Array, lse: Array) -> tuple[Array, Array]:
+        """Fold ``o [n, S, H, D]``, ``lse [n, S, H]`` over ``S`` in index order: ``(o [n, H, D], lse [n, H])``.
+
+        Parameters
+        ----------
+        o : array, ``[n, S, H, D]``
+            The states' outputs.
+        lse : array, ``[n, S, H]``
+            Their log-sum-exps, natural log.
+
+        Returns
+        -------
+        (o, lse)
+            The folded state, ``[n, H, D]`` and ``[n, H]``.
+        """
         return self.module.merge_states(o, lse)
 
-    def add_states(self, o_a, o_b):
-        """FlashSigmoid's merge, ``o_a + o_b`` (``[..., H, D]``): its weights are not normalised."""
+    def add_states(self, o_a: Array, o_b: Array) -> Array:
+        """FlashSigmoid's merge, ``o_a + o_b`` (``[..., H, D]``): its weights are not normalised.
+
+        Parameters
+        ----------
+        o_a, o_b : arrays, ``[..., H, D]``
+            The two states' outputs.
+
+        Returns
+        -------
+        array
+            Their sum, ``[..., H, D]``.
+        """
         return self.module.add_states(o_a, o_b)
 
-    def plan_options(self, spec) -> dict:
+    def plan_options(self, spec: AttentionSpec) -> dict[str, int]:
         """The tier's keyword arguments to :func:`bsrattn.scheduler.plan` for ``spec``: ``num_ctas``, ``tile_q``,
-        ``min_split_size``, ``kv_align``."""
+        ``min_split_size``, ``kv_align``.
+
+        Parameters
+        ----------
+        spec : AttentionSpec
+            The validated layout, heads, variant, dtypes and KV view the plan is for.
+
+        Returns
+        -------
+        dict
+            The keyword arguments, by name.
+        """
         return self.module.plan_options(spec)
 
-    def make_runner(self, spec, work_plan, previous=None):
+    def make_runner(self, spec: AttentionSpec, work_plan: WorkPlan, previous: Any = None) -> Any:
         """An object with ``work_plan`` and ``run(q, k, v, *, out, lse, return_lse, k_scale, v_scale) -> (out,
         lse)`` that executes ``work_plan``; ``previous`` (the runner of the last plan) lets a tier refill its
-        buffers in place."""
+        buffers in place.
+
+        Parameters
+        ----------
+        spec : AttentionSpec
+            The validated layout, heads, variant, dtypes and KV view.
+        work_plan : WorkPlan
+            The plan to execute.
+        previous : runner, optional
+            The runner of the previous plan, whose buffers the tier may reuse.
+
+        Returns
+        -------
+        runner
+            The tier's runner object.
+        """
         return self.module.make_runner(spec, work_plan, previous=previous)
 
     def __repr__(self):
@@ -138,6 +239,12 @@ def _resolve_name(name: str) -> str:
 def current_backend_name() -> str:
     """The name the flag resolves to now (before ``auto`` is resolved).
 
+    Returns
+    -------
+    str
+        The innermost :func:`use_backend` name, else :func:`set_backend`'s, else ``BSRATTN_BACKEND``, else
+        ``"reference"``.
+
     Examples
     --------
     >>> import bsrattn as ba
@@ -148,8 +255,28 @@ def current_backend_name() -> str:
     return _scoped.get() or _global or os.environ.get("BSRATTN_BACKEND") or "reference"
 
 
-def get_backend(name=None) -> Backend:
+def get_backend(name: str | Backend | None = None) -> Backend:
     """The :class:`Backend` for ``name`` (a name, a Backend, or None for the flag's current choice).
+
+    Parameters
+    ----------
+    name : str or Backend, optional
+        ``"reference"``, ``"numba"``, ``"torch"`` or ``"auto"``; a Backend is returned as it is; None: the
+        flag's current choice.
+
+    Returns
+    -------
+    Backend
+        The tier, its module imported on first use and kept.
+
+    Raises
+    ------
+    TypeError
+        ``name`` neither a str, a Backend nor None.
+    ValueError
+        An unknown name.
+    BackendError
+        A tier whose dependency is not installed (the message names the install command).
 
     Examples
     --------
@@ -169,8 +296,24 @@ def get_backend(name=None) -> Backend:
     return _loaded[resolved]
 
 
-def set_backend(name: str) -> None:
+def set_backend(name: str | None) -> None:
     """Make ``name`` the default backend of this program (``None`` restores the environment's choice).
+
+    Parameters
+    ----------
+    name : str or None
+        ``"reference"``, ``"numba"``, ``"torch"`` or ``"auto"`` (not imported until a call uses it), or None.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        ``name`` not a str (or None).
+    ValueError
+        An unknown name.
 
     Examples
     --------
@@ -187,8 +330,25 @@ def set_backend(name: str) -> None:
 
 
 @contextlib.contextmanager
-def use_backend(name: str):
+def use_backend(name: str) -> Iterator[None]:
     """Use ``name`` for the calls inside the ``with`` block (nestable, thread- and task-local).
+
+    Parameters
+    ----------
+    name : str
+        ``"reference"``, ``"numba"``, ``"torch"`` or ``"auto"`` (not imported until a call uses it).
+
+    Yields
+    ------
+    None
+        The block runs with ``name`` as the flag's choice; the previous choice returns when it ends.
+
+    Raises
+    ------
+    TypeError
+        ``name`` not a str.
+    ValueError
+        An unknown name.
 
     Examples
     --------

@@ -7,10 +7,17 @@ same source runs compiled (``numba.njit``, cached on disk) or, without Numba, as
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class Compiled:
     """``python`` compiled with ``numba.njit(cache=True)`` at its first call; ``python`` itself without Numba.
+
+    Parameters
+    ----------
+    python : callable
+        A module-level function of explicit loops over NumPy arrays and scalars, which Numba can compile.
 
     Examples
     --------
@@ -23,11 +30,11 @@ class Compiled:
     2
     """
 
-    def __init__(self, python):
+    def __init__(self, python: Callable[..., Any]) -> None:
         self.python = python
         self._fn = None
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
         if self._fn is None:
             try:
                 import numba
@@ -38,8 +45,14 @@ class Compiled:
         return self._fn(*args)
 
     @contextlib.contextmanager
-    def as_python(self):
-        """Run the uncompiled source inside the block (the tests check both give the same results)."""
+    def as_python(self) -> Iterator[Compiled]:
+        """Run the uncompiled source inside the block (the tests check both give the same results).
+
+        Yields
+        ------
+        Compiled
+            This object, calling ``python`` itself until the block ends.
+        """
         saved, self._fn = self._fn, self.python
         try:
             yield self
