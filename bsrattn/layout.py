@@ -12,19 +12,45 @@ ALiBi use these positions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from bsrattn import indexing
+
+if TYPE_CHECKING:
+    from bsrattn.variant import Variant
 
 _INT32_MIN, _INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 
 
-def as_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+def as_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as a Python int: a Python or NumPy integer, never a bool or a float (not even ``2.0``).
 
     ``minimum``/``maximum`` bound it (inclusive); a value outside raises ``ValueError`` naming ``name``.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the error messages.
+    value : int
+        The value to check.
+    minimum, maximum : int, optional
+        Inclusive bounds; None: unbounded.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    TypeError
+        ``value`` not a Python or NumPy integer (a bool, a float, anything else).
+    ValueError
+        ``value`` outside ``minimum..maximum``.
     """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {value!r}")
@@ -36,11 +62,30 @@ def as_int(name: str, value, minimum: int | None = None, maximum: int | None = N
     return value
 
 
-def as_index_array(name: str, values) -> np.ndarray:
+def as_index_array(name: str, values: ArrayLike) -> np.ndarray:
     """``values`` as a NumPy integer array whose entries fit in int32, or ``TypeError``/``ValueError`` naming ``name``.
 
     Only integers are accepted (Python ints, NumPy integer arrays): floats are refused, even integral ones
     like ``2.0``, so that a fractional or NaN id is never truncated; bools and strings are refused too.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the error messages.
+    values : array_like of int
+        A rectangular (nested) sequence or array of integers, of any shape.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``values``' integer array (its own dtype; int64 for an empty sequence).
+
+    Raises
+    ------
+    TypeError
+        An entry that is not an integer.
+    ValueError
+        A ragged nested sequence, or an entry outside int32.
     """
     try:
         arr = np.asarray(values)
@@ -91,8 +136,19 @@ def _check_indptr(name, indptr, length=None):
         raise ValueError(f"{name}[-1]={indptr[-1]} must equal {length}")
 
 
-def indptr_of(lengths) -> np.ndarray:
-    """``[len(lengths)+1]`` int64: the indptr of rows of these ``lengths``, ``0, l_0, l_0+l_1, …``."""
+def indptr_of(lengths: ArrayLike) -> np.ndarray:
+    """``[len(lengths)+1]`` int64: the indptr of rows of these ``lengths``, ``0, l_0, l_0+l_1, …``.
+
+    Parameters
+    ----------
+    lengths : array_like of int, ``[R]``
+        Each row's length (not checked).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[R+1]`` int64 offsets.
+    """
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
     return out
@@ -243,25 +299,67 @@ class BSRLayout:
         return self._mask_indptr
 
     def kv_slots(self, r: int) -> np.ndarray:
-        """Pool slots of row ``r``'s logical KV sequence, in order (``[kv_len[r]]``)."""
+        """Pool slots of row ``r``'s logical KV sequence, in order (``[kv_len[r]]``).
+
+        Parameters
+        ----------
+        r : int
+            The block row, in ``[0, R)``.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``[kv_len[r]]`` int64 pool slots.
+
+        Raises
+        ------
+        IndexError
+            ``r`` outside ``[0, R)``.
+        """
         if not 0 <= r < self.num_rows:
             raise IndexError(f"row {r} is outside [0, {self.num_rows})")
         i = np.arange(self.kv_lens[r], dtype=np.int64)
         return indexing.sparse_slot(self.kv_indices.astype(np.int64), int(self.kv_indptr[r]), self.block_size, i)
 
     def row_mask(self, r: int) -> np.ndarray | None:
-        """Row ``r``'s ``[qo_len, kv_len]`` custom mask, or None when the layout has none."""
+        """Row ``r``'s ``[qo_len, kv_len]`` custom mask, or None when the layout has none.
+
+        Parameters
+        ----------
+        r : int
+            The block row, in ``[0, R)``.
+
+        Returns
+        -------
+        numpy.ndarray or None
+            ``[qo_len[r], kv_len[r]]`` bool, a read-only view of ``custom_mask``.
+        """
         if self.custom_mask is None:
             return None
         lo, hi = self._mask_indptr[r], self._mask_indptr[r + 1]
         return self.custom_mask[lo:hi].reshape(int(self.qo_lens[r]), int(self.kv_lens[r]))
 
-    def to_dense_mask(self, variant=None) -> np.ndarray:
+    def to_dense_mask(self, variant: Variant | None = None) -> np.ndarray:
         """``[nnz_qo, num_slots]`` bool: which pool slot each query row attends.
 
         Combines the block structure, ``kv_last_len``, the custom mask and, when a ``variant`` is given,
         its position masks (causal, sliding window). A row that lists a slot twice cannot be drawn as a
         mask and raises ``ValueError``.
+
+        Parameters
+        ----------
+        variant : Variant, optional
+            Whose position masks to apply; None masks no position.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``[nnz_qo, num_slots]`` bool.
+
+        Raises
+        ------
+        ValueError
+            A row that lists a slot twice.
 
         Examples
         --------
@@ -288,6 +386,23 @@ class BSRLayout:
     def block_occupancy(self, block_rows: int = 1, block_cols: int | None = None) -> np.ndarray:
         """``[ceil(nnz_qo/Br), ceil(num_slots/Bc)]`` bool: the BSR picture, which tiles hold a visible pair.
 
+        Parameters
+        ----------
+        block_rows : int
+            Br, query rows per tile.
+        block_cols : int, optional
+            Bc, pool slots per tile; default ``block_size``.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``[ceil(nnz_qo/Br), ceil(num_slots/Bc)]`` bool.
+
+        Raises
+        ------
+        ValueError
+            A row that lists a slot twice (as :meth:`to_dense_mask`).
+
         Examples
         --------
         >>> import bsrattn as ba
@@ -309,6 +424,20 @@ class BSRLayout:
         A kernel that loads aligned blocks of ``kernel_block_size`` pool slots must read every block that
         holds a needed slot. Needed slots are counted per row (a slot two rows use is needed twice).
 
+        Parameters
+        ----------
+        kernel_block_size : int
+            Pool slots per aligned block the kernel loads.
+
+        Returns
+        -------
+        ReadAmplification
+
+        Raises
+        ------
+        ValueError
+            ``kernel_block_size < 1``.
+
         Examples
         --------
         >>> import numpy as np, bsrattn as ba
@@ -328,11 +457,29 @@ class BSRLayout:
         return ReadAmplification(kernel_block_size, int(needed), int(read))
 
     @classmethod
-    def from_slots(cls, slots, qo_lens, num_slots: int) -> "BSRLayout":
+    def from_slots(cls, slots: Sequence[np.ndarray], qo_lens: ArrayLike, num_slots: int) -> BSRLayout:
         """The ``block_size=1`` layout whose row ``r`` has ``qo_lens[r]`` queries and reads pool slots
         ``slots[r]`` (a 1-D integer array) in order; checked only as every layout is, on construction.
 
         :func:`bsrattn.layouts.vector_sparse` is this with its arguments checked first.
+
+        Parameters
+        ----------
+        slots : sequence of 1-D int arrays, ``[R][kv_len_r]``
+            Each row's pool slots, in order.
+        qo_lens : array_like of int, ``[R]``
+            Query rows of each row.
+        num_slots : int
+            Slots in the pool (the layout's ``num_blocks``).
+
+        Returns
+        -------
+        BSRLayout
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :class:`BSRLayout` raises them.
 
         Examples
         --------
@@ -355,6 +502,15 @@ class ReadAmplification:
     """Slots needed against slots read by a kernel of block size ``kernel_block_size``.
 
     Returned by :meth:`BSRLayout.read_amplification`.
+
+    Parameters
+    ----------
+    kernel_block_size : int
+        Pool slots per aligned block the kernel loads.
+    needed : int
+        Slots the layout's rows read, counted per row.
+    read : int
+        Slots in the aligned blocks that hold a needed slot, counted per row.
 
     Examples
     --------
@@ -427,8 +583,26 @@ class Cascade:
         """KV slots of the pool the levels share."""
         return self.levels[0].num_slots
 
-    def level_variant(self, level: int, variant):
-        """The variant level ``level`` runs with: levels before the last see all their keys."""
+    def level_variant(self, level: int, variant: Variant) -> Variant:
+        """The variant level ``level`` runs with: levels before the last see all their keys.
+
+        Parameters
+        ----------
+        level : int
+            The level's index in ``levels``.
+        variant : Variant
+            The cascade's variant.
+
+        Returns
+        -------
+        Variant
+            ``variant`` for the last level; for the others, ``variant`` without its causal mask.
+
+        Raises
+        ------
+        ValueError
+            ``variant`` has ALiBi slopes or a sliding window.
+        """
         from dataclasses import replace
 
         if variant.alibi_slopes is not None or variant.window_left >= 0:
@@ -441,6 +615,16 @@ class Cascade:
 
         Requires each level's rows to cover contiguous runs of queries so that a query's row in every level
         is well defined; the flattened layout has one row per query row of the last level's rows.
+
+        Returns
+        -------
+        BSRLayout
+            ``block_size=1``, over the same pool.
+
+        Raises
+        ------
+        ValueError
+            Queries of one last-level row that see different earlier-level keys.
         """
         last = self.levels[-1]
         slots_per_query = [[] for _ in range(self.nnz_qo)]

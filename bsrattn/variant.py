@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -21,8 +22,25 @@ from bsrattn import indexing
 from bsrattn.layout import as_int
 
 
-def as_real(name: str, value) -> float:
-    """``value`` as a float: a Python or NumPy integer or float, never a bool, a string or None."""
+def as_real(name: str, value: Any) -> float:
+    """``value`` as a float: a Python or NumPy integer or float, never a bool, a string or None.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the error message.
+    value : int or float
+        The value to check.
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    TypeError
+        ``value`` not a Python or NumPy real number (a bool, a string, None, anything else).
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     return float(value)
@@ -105,16 +123,57 @@ class Variant:
         return self.sigmoid_bias is not None
 
     def scale(self, head_dim: int) -> float:
-        """The score scale for ``head_dim``."""
+        """The score scale for ``head_dim``.
+
+        Parameters
+        ----------
+        head_dim : int
+            The head dimension of ``q`` and ``k``.
+
+        Returns
+        -------
+        float
+            ``sm_scale``, or ``1 / sqrt(head_dim)`` when it is None.
+        """
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(head_dim)
 
-    def check_heads(self, num_qo_heads: int):
-        """Raise unless the variant fits ``num_qo_heads`` query heads."""
+    def check_heads(self, num_qo_heads: int) -> None:
+        """Raise unless the variant fits ``num_qo_heads`` query heads.
+
+        Parameters
+        ----------
+        num_qo_heads : int
+            The query heads of the attention.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        ValueError
+            ``alibi_slopes`` without one slope per query head.
+        """
         if self.alibi_slopes is not None and len(self.alibi_slopes) != num_qo_heads:
             raise ValueError(f"alibi_slopes has {len(self.alibi_slopes)} entries, num_qo_heads is {num_qo_heads}")
 
     def position_mask(self, qo_len: int, kv_len: int, kv_start: int = 0, kv_end: int | None = None) -> np.ndarray:
-        """``[qo_len, kv_end - kv_start]`` bool: the causal / window mask of one row's keys in a range."""
+        """``[qo_len, kv_end - kv_start]`` bool: the causal / window mask of one row's keys in a range.
+
+        Parameters
+        ----------
+        qo_len, kv_len : int
+            The row's query rows and KV slots (queries sit at ``kv_len - qo_len + i``).
+        kv_start : int
+            The first key position of the range.
+        kv_end : int, optional
+            One past the last key position of the range; default ``kv_len``.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``[qo_len, kv_end - kv_start]`` bool, True where the key is visible (a read-only broadcast view).
+        """
         kv_end = kv_len if kv_end is None else kv_end
         q_pos = indexing.query_position(qo_len, kv_len, np.arange(qo_len))[:, None]
         k_pos = np.arange(kv_start, kv_end)[None, :]
