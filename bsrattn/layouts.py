@@ -17,9 +17,13 @@ fractional or NaN id is never truncated to a valid one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from bsrattn import indexing
+from bsrattn._types import Array
 from bsrattn.layout import BSRLayout, Cascade, as_index_array, as_int, indptr_of
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -77,8 +81,26 @@ def _last_len(kv_lens, block_size):
     return np.where(kv_lens > 0, kv_lens - (indexing.ceil_div(kv_lens, block_size) - 1) * block_size, 0)
 
 
-def ragged(qo_lens, kv_lens) -> BSRLayout:
+def ragged(qo_lens: ArrayLike, kv_lens: ArrayLike) -> BSRLayout:
     """Variable-length requests, each with its KV contiguous in one ``[sum(kv_lens), H, D]`` buffer (Bc=1).
+
+    Parameters
+    ----------
+    qo_lens : array_like of int, ``[B]``
+        Query rows of each request.
+    kv_lens : array_like of int, ``[B]``
+        KV slots of each request, back to back in the buffer.
+
+    Returns
+    -------
+    BSRLayout
+
+    Raises
+    ------
+    TypeError
+        A length or id that is not an integer (see the module docstring).
+    ValueError
+        Lengths that are negative, not 1-D, of different counts, or that sum beyond int32.
 
     Examples
     --------
@@ -96,6 +118,24 @@ def ragged(qo_lens, kv_lens) -> BSRLayout:
 def dense(qo_len: int, kv_len: int) -> BSRLayout:
     """One request: ``qo_len`` queries over ``kv_len`` contiguous keys (plain attention).
 
+    Parameters
+    ----------
+    qo_len : int
+        Query rows.
+    kv_len : int
+        Keys, at pool slots ``0..kv_len-1``.
+
+    Returns
+    -------
+    BSRLayout
+
+    Raises
+    ------
+    TypeError
+        A length that is not an int.
+    ValueError
+        A negative length.
+
     Examples
     --------
     >>> import bsrattn as ba
@@ -106,16 +146,32 @@ def dense(qo_len: int, kv_len: int) -> BSRLayout:
     return ragged([as_int("qo_len", qo_len, minimum=0)], [as_int("kv_len", kv_len, minimum=0)])
 
 
-def paged(qo_lens, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRLayout:
+def paged(qo_lens: ArrayLike, page_tables: Sequence[ArrayLike], kv_lens: ArrayLike, page_size: int,
+          num_pages: int) -> BSRLayout:
     """A paged KV cache: Bc = page size, and the indices array is the page table.
 
     Parameters
     ----------
     qo_lens : sequence of int, ``[B]``
+        Query rows of each request.
     page_tables : sequence of sequences of int, ``[B][>= ceil(kv_len/page_size)]``
         Pool pages of each request in order; entries past ``ceil(kv_len / page_size)`` are ignored.
     kv_lens : sequence of int, ``[B]``
+        Tokens in each request's cache.
     page_size, num_pages : int
+        Slots per page (Bc) and pages in the pool (``num_blocks``).
+
+    Returns
+    -------
+    BSRLayout
+
+    Raises
+    ------
+    TypeError
+        A length or id that is not an integer (see the module docstring).
+    ValueError
+        Negative lengths, counts that differ, a page table shorter than its ``kv_len`` needs, a page id outside
+        ``[0, num_pages)``, a ``page_size`` below 1.
 
     Examples
     --------
@@ -148,19 +204,33 @@ def _paged(qo_lens, page_tables, kv_lens, page_size, num_pages, tables_name="pag
                      num_pages)
 
 
-def block_sparse(indptr, indices, M: int, N: int, R: int, C: int, mask=None) -> BSRLayout:
+def block_sparse(indptr: ArrayLike, indices: ArrayLike, M: int, N: int, R: int, C: int,
+                 mask: ArrayLike | None = None) -> BSRLayout:
     """FlashInfer's ``BlockSparseAttention`` form: an ``[M, N]`` matrix of ``R x C`` blocks.
 
     Parameters
     ----------
-    indptr : ``[M/R + 1]``
+    indptr : array_like of int, ``[M/R + 1]``
         Block row ``i`` holds column blocks ``indices[indptr[i]:indptr[i+1]]``.
-    indices : ``[nnz]``
+    indices : array_like of int, ``[nnz]``
         Column block ids in ``[0, N/C)``.
     M, N, R, C : int
         Query rows, key columns, block height and block width (``M % R == 0``, ``N % C == 0``).
     mask : array of bool, optional ``[nnz, R, C]``
         Element masks of the non-zero blocks.
+
+    Returns
+    -------
+    BSRLayout
+        ``block_size = C``, one row per block row of ``R`` queries.
+
+    Raises
+    ------
+    TypeError
+        A size or id that is not an integer, a ``mask`` that is not bool.
+    ValueError
+        ``M % R`` or ``N % C`` not 0, ``indptr`` not ``[M/R + 1]`` or not a valid indptr, an id outside
+        ``[0, N/C)``, a ``mask`` not ``[nnz, R, C]``.
 
     Notes
     -----
@@ -198,8 +268,28 @@ def block_sparse(indptr, indices, M: int, N: int, R: int, C: int, mask=None) -> 
     return BSRLayout(np.arange(rows + 1) * R, indptr, indices, np.where(nblocks > 0, C, 0), C, N // C, custom)
 
 
-def vector_sparse(token_indices, qo_lens, num_slots: int) -> BSRLayout:
+def vector_sparse(token_indices: Sequence[ArrayLike], qo_lens: ArrayLike, num_slots: int) -> BSRLayout:
     """KV pruning (H2O, Quest at token level): each request keeps a scattered list of slots (Bc=1).
+
+    Parameters
+    ----------
+    token_indices : sequence of sequences of int, ``[B][kv_len_b]``
+        The pool slots each request keeps, in the order it reads them.
+    qo_lens : array_like of int, ``[B]``
+        Query rows of each request.
+    num_slots : int
+        Slots in the pool.
+
+    Returns
+    -------
+    BSRLayout
+
+    Raises
+    ------
+    TypeError
+        A length or id that is not an integer (see the module docstring).
+    ValueError
+        Negative lengths, counts that differ, a slot outside ``[0, num_slots)``.
 
     Examples
     --------
@@ -213,7 +303,8 @@ def vector_sparse(token_indices, qo_lens, num_slots: int) -> BSRLayout:
     return BSRLayout.from_slots(tokens, qo_lens, as_int("num_slots", num_slots, minimum=0))
 
 
-def quest(page_tables, kv_lens, selected_pages, page_size: int, num_pages: int, num_kv_heads: int) -> BSRLayout:
+def quest(page_tables: Sequence[ArrayLike], kv_lens: ArrayLike, selected_pages: Sequence[Sequence[ArrayLike]],
+          page_size: int, num_pages: int, num_kv_heads: int) -> BSRLayout:
     """Per-head page selection (Quest) for decode: one row per (request, KV head).
 
     Each KV head of each request attends only its own selected pages. The layout addresses the KV cache in
@@ -232,6 +323,20 @@ def quest(page_tables, kv_lens, selected_pages, page_size: int, num_pages: int, 
         Logical page numbers (indices into the page table) each head keeps, in increasing order. A selected
         partial last page must come last.
     page_size, num_pages, num_kv_heads : int
+        Slots per page, pages in the pool, and KV heads (each head one row per request).
+
+    Returns
+    -------
+    BSRLayout
+        ``B * num_kv_heads`` rows of one query each, over ``num_pages * num_kv_heads`` blocks.
+
+    Raises
+    ------
+    TypeError
+        A length or id that is not an integer (see the module docstring).
+    ValueError
+        Counts that differ, a page table shorter than its ``kv_len`` needs, a head count that is not
+        ``num_kv_heads``, selected pages outside the request's pages or not strictly increasing.
 
     Examples
     --------
@@ -271,11 +376,32 @@ def quest(page_tables, kv_lens, selected_pages, page_size: int, num_pages: int, 
                      kv_last, page_size, num_pages * num_kv_heads)
 
 
-def per_head_views(q, k, v, num_kv_heads: int):
+def per_head_views(q: Array, k: Array, v: Array, num_kv_heads: int) -> tuple[Array, Array, Array]:
     """Views of decode ``q [B, Hq, D]`` and HND ``k, v [P, Hkv, page, D]`` for a :func:`quest` layout.
 
     Returns ``q [B*Hkv, Hq/Hkv, D]`` and ``k, v [P*Hkv, page, 1, D]`` (no copies for contiguous inputs).
     Reshape the output back with ``out.reshape(B, Hq, D)``.
+
+    Parameters
+    ----------
+    q : array, ``[B, num_qo_heads, head_dim]``
+        Decode queries, one per request.
+    k, v : arrays, ``[num_pages, num_kv_heads, page_size, head_dim]``
+        The HND KV pool.
+    num_kv_heads : int
+        KV heads of ``k`` and ``v``.
+
+    Returns
+    -------
+    (q, k, v)
+        ``q [B*num_kv_heads, num_qo_heads/num_kv_heads, head_dim]`` and ``k``, ``v``
+        ``[num_pages*num_kv_heads, page_size, 1, head_dim]``, of the inputs' array kind.
+
+    Raises
+    ------
+    ValueError
+        ``num_qo_heads`` not a multiple of ``num_kv_heads``, ``k``/``v`` not HND with ``num_kv_heads`` heads or
+        of different shapes.
 
     Examples
     --------
@@ -295,13 +421,37 @@ def per_head_views(q, k, v, num_kv_heads: int):
             v.reshape(v.shape[0] * num_kv_heads, page_size, 1, head_dim))
 
 
-def tree(parents, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRLayout:
+def tree(parents: Sequence[ArrayLike], page_tables: Sequence[ArrayLike], kv_lens: ArrayLike, page_size: int,
+         num_pages: int) -> BSRLayout:
     """Speculative tree decoding: the draft tree's tokens as queries under a tree mask.
 
     Request ``b`` has a draft tree of ``n_b = len(parents[b])`` nodes stored as the last ``n_b`` of its
     ``kv_lens[b]`` KV slots, in node order; ``parents[b][i]`` is node ``i``'s parent (``-1`` for a root,
     else ``< i``). Node ``i`` is query row ``i`` and attends every committed token (the first
     ``kv_lens[b] - n_b`` slots), its ancestors and itself.
+
+    Parameters
+    ----------
+    parents : sequence of sequences of int, ``[B][n_b]``
+        Each request's draft tree, ``parents[b][i]`` the parent of node ``i`` (``-1`` for a root).
+    page_tables : sequence of sequences of int, ``[B][>= ceil(kv_len/page_size)]``
+        Pool pages of each request in order, as in :func:`paged`.
+    kv_lens : sequence of int, ``[B]``
+        Tokens in each request's cache, its tree's nodes included.
+    page_size, num_pages : int
+        Slots per page (Bc) and pages in the pool.
+
+    Returns
+    -------
+    BSRLayout
+        A paged layout with the tree mask as its ``custom_mask``.
+
+    Raises
+    ------
+    TypeError
+        A length or id that is not an integer (see the module docstring).
+    ValueError
+        A tree with more nodes than its ``kv_len``, a parent not in ``-1..i-1``, and :func:`paged`'s errors.
 
     Examples
     --------
@@ -337,13 +487,41 @@ def tree(parents, page_tables, kv_lens, page_size: int, num_pages: int) -> BSRLa
                      np.concatenate(masks) if masks else np.zeros(0, bool))
 
 
-def shared_prefix(qo_lens, prefix_pages, prefix_len: int, suffix_page_tables, suffix_lens, page_size: int,
+def shared_prefix(qo_lens: ArrayLike, prefix_pages: ArrayLike, prefix_len: int,
+                  suffix_page_tables: Sequence[ArrayLike], suffix_lens: ArrayLike, page_size: int,
                   num_pages: int) -> Cascade:
     """A prefix shared by every request, then per-request suffixes: a two-level :class:`~bsrattn.Cascade`.
 
     Level 0 puts every request's queries in one block row over the prefix pages, so they share one load of
     the prefix; level 1 is a plain paged layout of the suffixes (``Br = 1`` per request). Both index the
     same KV pool; their states merge with ⊕.
+
+    Parameters
+    ----------
+    qo_lens : sequence of int, ``[B]``
+        Query rows of each request.
+    prefix_pages : sequence of int, ``[>= ceil(prefix_len/page_size)]``
+        Pool pages of the shared prefix, in order.
+    prefix_len : int
+        Tokens of the shared prefix.
+    suffix_page_tables : sequence of sequences of int, ``[B][>= ceil(suffix_len/page_size)]``
+        Pool pages of each request's own suffix, in order.
+    suffix_lens : sequence of int, ``[B]``
+        Tokens of each request's suffix.
+    page_size, num_pages : int
+        Slots per page (Bc) and pages in the pool.
+
+    Returns
+    -------
+    Cascade
+        Two levels: the prefix (one row of every query), then the suffixes (one row per request).
+
+    Raises
+    ------
+    TypeError
+        A length or id that is not an integer (see the module docstring).
+    ValueError
+        ``prefix_pages`` shorter than ``prefix_len`` needs, and :func:`paged`'s errors on the suffixes.
 
     Examples
     --------
