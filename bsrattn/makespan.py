@@ -9,17 +9,35 @@ on no scheduler; :func:`bsrattn.scheduler.simulate` runs it with :func:`~bsrattn
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import ArrayLike
+
+if TYPE_CHECKING:
+    from bsrattn.scheduler import WorkPlan
 
 __all__ = ["makespan", "compare", "SimulationResult", "DISTRIBUTIONS"]
 
 
-def makespan(work_plan, cost=None) -> float:
+def makespan(work_plan: WorkPlan, cost: ArrayLike | None = None) -> float:
     """The most loaded CTA's total cost: the plan's finishing time under the cost model.
 
     ``work_plan`` is a :class:`~bsrattn.scheduler.WorkPlan`; ``cost`` (``[W]``) defaults to its ``item_cost``.
+
+    Parameters
+    ----------
+    work_plan : WorkPlan
+        The plan.
+    cost : array_like of float, ``[W]``, optional
+        Each item's cost; default ``work_plan.item_cost``.
+
+    Returns
+    -------
+    float
+        The largest CTA load (0.0 for a plan without CTAs).
 
     Examples
     --------
@@ -51,6 +69,15 @@ class SimulationResult:
     """Baseline makespan over balanced makespan, per trial; returned by :func:`compare` (and so by
     :func:`bsrattn.scheduler.simulate`, round robin over Algorithm 1).
 
+    Parameters
+    ----------
+    distribution : str
+        The key of :data:`DISTRIBUTIONS` the KV lengths were drawn from.
+    batch : int
+        Requests per trial.
+    ratios : numpy.ndarray, ``[trials]``
+        Baseline makespan over balanced makespan, per trial.
+
     Examples
     --------
     >>> import numpy as np, bsrattn as ba
@@ -79,12 +106,36 @@ class SimulationResult:
         return float(self.ratios.max())
 
 
-def compare(baseline, balanced, distribution: str, batch: int, *, trials: int, seed: int) -> SimulationResult:
+def compare(baseline: Callable[[np.ndarray, np.ndarray], WorkPlan],
+            balanced: Callable[[np.ndarray, np.ndarray], WorkPlan], distribution: str, batch: int, *, trials: int,
+            seed: int) -> SimulationResult:
     """``makespan(baseline(qo, kv)) / makespan(balanced(qo, kv))`` on ``trials`` random decode batches.
 
     Each batch is ``batch`` requests of one query row with KV lengths drawn from ``DISTRIBUTIONS[distribution]``
     (one NumPy generator seeded with ``seed`` for all trials); ``baseline`` and ``balanced`` map ``qo_lens``,
     ``kv_lens`` (``[batch]``) to a :class:`~bsrattn.scheduler.WorkPlan`.
+
+    Parameters
+    ----------
+    baseline, balanced : callable
+        Planners ``(qo_lens, kv_lens) -> WorkPlan``; the ratio is the baseline's makespan over the balanced one's.
+    distribution : str
+        A key of :data:`DISTRIBUTIONS`.
+    batch : int
+        Requests per trial.
+    trials : int
+        Random batches drawn.
+    seed : int
+        Seed of the one NumPy generator all trials draw from.
+
+    Returns
+    -------
+    SimulationResult
+
+    Raises
+    ------
+    ValueError
+        An unknown ``distribution``.
 
     Examples
     --------

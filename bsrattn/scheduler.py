@@ -16,8 +16,10 @@ re-exported here.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from bsrattn.compiled import Compiled
 from bsrattn.layout import as_index_array, as_int
@@ -51,7 +53,11 @@ class WorkPlan:
         First workspace row of the item's partial state, or -1 when the item writes the output directly.
     item_cost : ``[W]``
         The cost model's value, ``q_rows + kv_slots``.
-    merge_indptr : ``[M+1]``; merge_partials : ``[P]``; merge_qo_start, merge_qo_end : ``[M]``
+    merge_indptr : ``[M+1]``
+        Merge ``m`` folds the partial states listed at ``merge_indptr[m]:merge_indptr[m+1]``.
+    merge_partials : ``[P]``
+        The listed partial states' first workspace rows.
+    merge_qo_start, merge_qo_end : ``[M]``
         Merge ``m`` folds, for each query row ``merge_qo_start[m] + i``, the partial rows
         ``merge_partials[merge_indptr[m]:merge_indptr[m+1]] + i`` in that order, into the output.
     num_partial_rows : int
@@ -94,14 +100,35 @@ class WorkPlan:
         """M, the number of merge lists (one per split query tile)."""
         return int(self.merge_qo_start.size)
 
-    def cta_loads(self, cost=None) -> np.ndarray:
-        """``[num_ctas]`` summed cost per CTA (``cost`` defaults to ``item_cost``)."""
+    def cta_loads(self, cost: ArrayLike | None = None) -> np.ndarray:
+        """``[num_ctas]`` summed cost per CTA (``cost`` defaults to ``item_cost``).
+
+        Parameters
+        ----------
+        cost : array_like of float, ``[W]``, optional
+            Each item's cost; default ``item_cost``.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``[num_ctas]`` float64.
+        """
         cost = self.item_cost if cost is None else np.asarray(cost)
         owner = np.repeat(np.arange(self.num_ctas), np.diff(self.cta_indptr))
         return np.bincount(owner, weights=cost, minlength=self.num_ctas)
 
-    def equals(self, other: "WorkPlan") -> bool:
-        """Bitwise equality of every field."""
+    def equals(self, other: WorkPlan) -> bool:
+        """Bitwise equality of every field.
+
+        Parameters
+        ----------
+        other : WorkPlan
+            The plan to compare with.
+
+        Returns
+        -------
+        bool
+        """
         return all(np.array_equal(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
 
 
@@ -374,7 +401,7 @@ def _split(fixed_split_size, disable_split_kv) -> int:
     return 0 if fixed_split_size is None else fixed_split_size
 
 
-def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
+def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
          disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1) -> WorkPlan:
     """FlashInfer's Algorithm 1: KV chunking, longest-first, least-loaded CTA, fixed merge order.
 
@@ -398,6 +425,7 @@ def plan(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1, fixed_split_size: 
     Returns
     -------
     WorkPlan
+        The work items, their CTAs and the merge lists, as int32 arrays.
 
     Raises
     ------
@@ -428,8 +456,27 @@ def _plan_valid(qo, kv, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int
                       kv_align, True)
 
 
-def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan:
+def round_robin(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int = 1) -> WorkPlan:
     """The baseline: every query tile is one item over its whole KV; item ``i`` goes to CTA ``i % num_ctas``.
+
+    Parameters
+    ----------
+    qo_lens, kv_lens : ``[R]`` ints
+        Query rows and KV slots of each block row, as in :func:`plan`.
+    num_ctas : int
+        CTAs, ``1..MAX_CTAS``.
+    tile_q : int
+        Query rows per tile.
+
+    Returns
+    -------
+    WorkPlan
+        No item is split, so there are no merges.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`plan` raises them.
 
     Examples
     --------
@@ -444,11 +491,36 @@ def round_robin(qo_lens, kv_lens, *, num_ctas: int, tile_q: int = 1) -> WorkPlan
 
 
 def simulate(distribution: str, batch: int, *, num_ctas: int = 132, trials: int = 50, seed: int = 0,
-             **plan_kwargs) -> SimulationResult:
+             **plan_kwargs: Any) -> SimulationResult:
     """Decode makespans of :func:`plan` against :func:`round_robin` on random batches (the seed's table).
 
     ``distribution`` names one of :data:`DISTRIBUTIONS`; ``plan_kwargs`` go to :func:`plan`. The study itself,
     :func:`bsrattn.makespan.compare`, is this with the two planners as arguments.
+
+    Parameters
+    ----------
+    distribution : str
+        A key of :data:`DISTRIBUTIONS`.
+    batch : int
+        Decode requests per trial.
+    num_ctas : int
+        CTAs of both planners (132: an H200's SMs).
+    trials : int
+        Random batches drawn.
+    seed : int
+        Seed of the one NumPy generator all trials draw from.
+    **plan_kwargs : Any
+        More keyword arguments of :func:`plan` (``tile_q``, ``fixed_split_size``…).
+
+    Returns
+    -------
+    SimulationResult
+        Round robin's makespan over Algorithm 1's, per trial.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``distribution``.
 
     Examples
     --------
