@@ -57,6 +57,9 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import ArrayLike
+
+from bsrattn._types import Array, DType
 
 TOLERANCES = {
     ("attention", "float64"): (1e-10, 1e-10),
@@ -78,8 +81,24 @@ TOLERANCES = {
 }
 
 
-def tolerance(op: str, dtype: str) -> tuple:
+def tolerance(op: str, dtype: DType) -> tuple[float, float]:
     """``(atol, rtol)`` for ``op`` in ``dtype``.
+
+    Parameters
+    ----------
+    op : {"attention", "lse", "merge"}
+        The operation compared.
+    dtype : str or torch dtype
+        The output's dtype, by name (``"float16"``; ``torch.float16`` is read as its name).
+
+    Returns
+    -------
+    (atol, rtol)
+
+    Raises
+    ------
+    KeyError
+        No entry of :data:`TOLERANCES` for ``(op, dtype)``.
 
     Examples
     --------
@@ -96,6 +115,13 @@ def tolerance(op: str, dtype: str) -> tuple:
 @dataclass(frozen=True)
 class Budget:
     """``max |actual - oracle| <= factor * max |naive - oracle| + atol * max(1, max |oracle|)`` (module docstring).
+
+    Parameters
+    ----------
+    factor : float
+        How many times naive's error a tier may be off.
+    atol : float
+        The absolute slack, scaled by ``max(1, max |oracle|)``.
 
     Examples
     --------
@@ -121,8 +147,24 @@ BUDGETS = {
 _LOW = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
-def budget(op: str, dtype: str) -> Budget:
+def budget(op: str, dtype: DType) -> Budget:
     """The :class:`Budget` of ``op`` (``"attention"`` or ``"lse"``) in ``dtype``.
+
+    Parameters
+    ----------
+    op : {"attention", "lse"}
+        The operation compared.
+    dtype : str or torch dtype
+        ``"float32"``, ``"float16"`` or ``"bfloat16"`` (a torch dtype is read as its name).
+
+    Returns
+    -------
+    Budget
+
+    Raises
+    ------
+    KeyError
+        No entry of :data:`BUDGETS` for ``(op, dtype)``.
 
     Examples
     --------
@@ -136,13 +178,42 @@ def budget(op: str, dtype: str) -> Budget:
     return BUDGETS[key]
 
 
-def naive_attention_row(q, k, v, sm_scale, dtype="float64", *, soft_cap=0.0, bias=None, sigmoid_bias=None):
+def naive_attention_row(q: ArrayLike, k: ArrayLike, v: ArrayLike, sm_scale: float, dtype: str = "float64", *,
+                        soft_cap: float = 0.0, bias: ArrayLike | None = None,
+                        sigmoid_bias: float | None = None) -> tuple[np.ndarray, float]:
     """One query's attention over its visible keys, computed naively in ``dtype``; ``(o [D], lse)`` as float64.
 
     ``q [D]``; ``k, v [m, D]`` (only the keys the query sees); ``bias [m]`` added to the scores after the soft
     cap (ALiBi); ``sigmoid_bias`` for FlashSigmoid (``lse`` is then NaN). ``"float64"`` is the oracle: every
     step in float64. Any other ``dtype`` follows the module docstring's recipe (float32 arithmetic, the scores,
     ``P`` and the output rounded to ``dtype``). No key seen: ``o = 0``, ``lse = -inf``.
+
+    Parameters
+    ----------
+    q : array_like, ``[head_dim]``
+        One query.
+    k, v : array_like, ``[m, head_dim]``
+        The keys and values it sees.
+    sm_scale : float
+        The score scale.
+    dtype : {"float64", "float32", "float16", "bfloat16"}
+        The precision to compute in; ``"float64"`` is the oracle.
+    soft_cap : float
+        ``cap * tanh(s / cap)`` when positive; 0 disables it.
+    bias : array_like, ``[m]``, optional
+        Added to the scores after the soft cap (ALiBi).
+    sigmoid_bias : float, optional
+        FlashSigmoid's bias: weights ``sigmoid(s + bias)``, no normalisation.
+
+    Returns
+    -------
+    (o, lse)
+        ``o [head_dim]`` float64 and ``lse`` a float (NaN for FlashSigmoid).
+
+    Raises
+    ------
+    KeyError
+        A ``dtype`` other than the four above.
 
     Examples
     --------
@@ -185,6 +256,23 @@ def naive_attention_row(q, k, v, sm_scale, dtype="float64", *, soft_cap=0.0, bia
 class Comparison:
     """The outcome of :func:`compare`: worst error, where, and special-value disagreements.
 
+    Parameters
+    ----------
+    ok : bool
+        Whether every element is within tolerance and NaN/±inf agree.
+    max_abs : float
+        The largest ``|a - e|`` over elements finite in both.
+    max_excess : float
+        The largest ``|a - e| - (atol + rtol * |e|)``: positive when some element is out of tolerance.
+    where : tuple
+        The index of that element.
+    nan_mismatch : int
+        Elements NaN in one array only.
+    inf_mismatch : int
+        Elements infinite in one array, or of opposite signs, without a NaN.
+    message : str
+        All of the above, for an assertion.
+
     Examples
     --------
     >>> import numpy as np
@@ -212,8 +300,22 @@ def _to_numpy(x):
     return np.asarray(x, dtype=np.float64)
 
 
-def compare(actual, expected, atol: float, rtol: float, name: str = "output") -> Comparison:
+def compare(actual: Array, expected: Array, atol: float, rtol: float, name: str = "output") -> Comparison:
     """Elementwise ``|a - e| <= atol + rtol * |e|``, with NaN and ±inf required to agree exactly.
+
+    Parameters
+    ----------
+    actual, expected : arrays
+        Of one shape; NumPy arrays, torch tensors or Numba device arrays (compared in float64).
+    atol, rtol : float
+        The absolute and relative tolerances.
+    name : str
+        What is compared, for the message.
+
+    Returns
+    -------
+    Comparison
+        ``ok`` False, not an exception, when the arrays differ (or their shapes do).
 
     Examples
     --------
@@ -241,10 +343,33 @@ def compare(actual, expected, atol: float, rtol: float, name: str = "output") ->
     return Comparison(ok, max_abs, max_excess, worst, nan_mismatch, inf_mismatch, msg)
 
 
-def assert_close(actual, expected, op: str = "attention", dtype: str = "float64", name: str | None = None):
+def assert_close(actual: Array, expected: Array, op: str = "attention", dtype: DType = "float64",
+                 name: str | None = None) -> Comparison:
     """Raise ``AssertionError`` with the worst error and its place unless ``actual`` matches ``expected``.
 
     ``op`` and ``dtype`` pick the tolerance from :data:`TOLERANCES`. Returns the :class:`Comparison`.
+
+    Parameters
+    ----------
+    actual, expected : arrays
+        Of one shape, any array kind (see :func:`compare`).
+    op : {"attention", "lse", "merge"}
+        The operation compared.
+    dtype : str or torch dtype
+        The output's dtype.
+    name : str, optional
+        What is compared, for the message; default ``op``.
+
+    Returns
+    -------
+    Comparison
+
+    Raises
+    ------
+    AssertionError
+        ``actual`` outside the tolerance, or NaN/±inf disagreeing.
+    KeyError
+        No tolerance for ``(op, dtype)``.
 
     Examples
     --------
@@ -260,10 +385,36 @@ def assert_close(actual, expected, op: str = "attention", dtype: str = "float64"
     return result
 
 
-def within_budget(actual, expected, naive, op: str, dtype: str, name: str = "output") -> Comparison:
+def within_budget(actual: Array, expected: Array, naive: Array, op: str, dtype: DType,
+                  name: str = "output") -> Comparison:
     """Compare ``actual`` with the oracle ``expected`` under the budget of ``op`` in ``dtype``, ``naive`` being
     the same-precision naive result (:func:`naive_attention_row`): every element within ``factor * max |naive -
     expected| + atol * max(1, max |expected|)``, NaN and ±inf agreeing exactly.
+
+    Parameters
+    ----------
+    actual : array
+        The tier's result.
+    expected : array
+        The float64 oracle, of ``actual``'s shape.
+    naive : array
+        The same-precision naive result, of ``actual``'s shape.
+    op : {"attention", "lse"}
+        The operation compared.
+    dtype : str or torch dtype
+        ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+    name : str
+        What is compared, for the message.
+
+    Returns
+    -------
+    Comparison
+        Its message also states the budget.
+
+    Raises
+    ------
+    KeyError
+        No budget for ``(op, dtype)``.
 
     Examples
     --------
@@ -287,8 +438,31 @@ def within_budget(actual, expected, naive, op: str, dtype: str, name: str = "out
     return result
 
 
-def assert_within_budget(actual, expected, naive, op: str, dtype: str, name: str | None = None) -> Comparison:
+def assert_within_budget(actual: Array, expected: Array, naive: Array, op: str, dtype: DType,
+                         name: str | None = None) -> Comparison:
     """:func:`within_budget`, raising ``AssertionError`` with its message when it fails.
+
+    Parameters
+    ----------
+    actual, expected, naive : arrays
+        The tier's result, the float64 oracle and the same-precision naive result, of one shape.
+    op : {"attention", "lse"}
+        The operation compared.
+    dtype : str or torch dtype
+        ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+    name : str, optional
+        What is compared, for the message; default ``op``.
+
+    Returns
+    -------
+    Comparison
+
+    Raises
+    ------
+    AssertionError
+        ``actual`` outside the budget, or NaN/±inf disagreeing.
+    KeyError
+        No budget for ``(op, dtype)``.
 
     Examples
     --------
