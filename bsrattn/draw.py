@@ -8,6 +8,9 @@ out its own subplots. Block row (request) ``r`` has colour ``r % 10`` of :data:`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 try:
@@ -19,6 +22,13 @@ except ImportError as err:
     raise ImportError("bsrattn.draw needs matplotlib: pip install 'bsrattn[draw]'") from err
 
 from bsrattn.layout import BSRLayout, Cascade
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from bsrattn.scheduler import WorkPlan
+    from bsrattn.variant import Variant
 
 __all__ = ["layout", "plan", "read_amplification", "PALETTE"]
 
@@ -109,7 +119,9 @@ def _draw_bsr(ax, lay: BSRLayout, variant, tiles, tile_grid, title):
     ax.set_title(title)
 
 
-def layout(layout, *, variant=None, tiles=None, tile_grid="row", ax=None, title=None):
+def layout(layout: BSRLayout | Cascade, *, variant: Variant | None = None, tiles: tuple[int, int] | None = None,
+           tile_grid: str = "row", ax: Axes | Sequence[Axes] | None = None,
+           title: str | Sequence[str] | None = None) -> Figure:
     """Draw a layout as its BSR matrix: query rows down, KV pool slots across.
 
     Each element a query attends — under ``variant``'s position masks and the layout's custom mask — is
@@ -137,6 +149,15 @@ def layout(layout, *, variant=None, tiles=None, tile_grid="row", ax=None, title=
     Returns
     -------
     matplotlib.figure.Figure
+        The figure drawn into.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` neither a BSRLayout nor a Cascade.
+    ValueError
+        A ``tile_grid`` other than ``"row"``/``"pool"``, a number of Axes or titles that is not the number of
+        levels, or a row that lists a slot twice.
 
     Examples
     --------
@@ -165,7 +186,7 @@ def layout(layout, *, variant=None, tiles=None, tile_grid="row", ax=None, title=
     return fig
 
 
-def plan(work_plan, *, ax=None, title=None):
+def plan(work_plan: WorkPlan, *, ax: Axes | None = None, title: str | None = None) -> Figure:
     """A Gantt chart of a :class:`~bsrattn.scheduler.WorkPlan`: one lane per CTA, its items in run order.
 
     Time is the plan's cost model: item ``w`` is a bar ``item_cost[w]`` long (query rows + KV slots), starting
@@ -185,6 +206,7 @@ def plan(work_plan, *, ax=None, title=None):
     Returns
     -------
     matplotlib.figure.Figure
+        The figure drawn into.
 
     Examples
     --------
@@ -237,7 +259,8 @@ def plan(work_plan, *, ax=None, title=None):
     return fig
 
 
-def read_amplification(layout, block_sizes, *, ax=None, label=None):
+def read_amplification(layout: BSRLayout, block_sizes: Sequence[int], *, ax: Axes | None = None,
+                       label: str | None = None) -> Figure:
     """Slots read / slots needed by a kernel that loads aligned blocks of each of ``block_sizes`` pool slots.
 
     The ratios are :meth:`BSRLayout.read_amplification`'s, drawn against the block size on log-2 axes, with the
@@ -258,6 +281,14 @@ def read_amplification(layout, block_sizes, *, ax=None, label=None):
     Returns
     -------
     matplotlib.figure.Figure
+        The figure drawn into.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` not a BSRLayout.
+    ValueError
+        A block size below 1.
 
     Examples
     --------
