@@ -3,11 +3,25 @@
 Each helper is plain arithmetic on integers, so the same source serves three ways: the reference calls it
 on NumPy arrays (vectorised), and the numba tier re-decorates it with ``cuda.jit(device=True)`` to call it
 on scalars inside a kernel (minitorch's habit). Keep them free of Python control flow on array values.
+
+Their signatures carry no annotations: every argument is an int or an integer array alike, and Triton, which
+compiles their source for the torch tier, reads a parameter's annotation as its type (``tl.constexpr``, say).
 """
 
 
 def ceil_div(a, b):
     """``ceil(a / b)`` for non-negative integers.
+
+    Parameters
+    ----------
+    a : int or array of int
+        The dividend, ``>= 0``.
+    b : int or array of int
+        The divisor, ``>= 1``.
+
+    Returns
+    -------
+    int or array of int
 
     Examples
     --------
@@ -23,6 +37,22 @@ def sparse_slot(kv_indices, row_block_start, block_size, i):
 
     ``j = kv_indices[row_block_start + i // Bc] * Bc + i % Bc``, where ``row_block_start = kv_indptr[r]``.
 
+    Parameters
+    ----------
+    kv_indices : array of int, ``[nnz]``
+        The layout's KV block ids.
+    row_block_start : int
+        ``kv_indptr[r]``, the row's first entry of ``kv_indices``.
+    block_size : int
+        Bc, slots per block.
+    i : int or array of int
+        Logical KV slots of the row, in ``[0, kv_len)``.
+
+    Returns
+    -------
+    int or array of int
+        Pool slots, ``i``'s shape.
+
     Examples
     --------
     >>> import numpy as np
@@ -36,6 +66,17 @@ def sparse_slot(kv_indices, row_block_start, block_size, i):
 def dense_slot(row_slot_start, i):
     """Pool slot of logical KV slot ``i`` of a row whose KV is contiguous (the affine "dense path").
 
+    Parameters
+    ----------
+    row_slot_start : int
+        The pool slot of the row's first key.
+    i : int or array of int
+        Logical KV slots of the row.
+
+    Returns
+    -------
+    int or array of int
+
     Examples
     --------
     >>> from bsrattn import indexing
@@ -47,6 +88,17 @@ def dense_slot(row_slot_start, i):
 
 def query_position(qo_len, kv_len, i):
     """Position of query ``i`` of a row: bottom-right aligned, ``kv_len - qo_len + i``.
+
+    Parameters
+    ----------
+    qo_len, kv_len : int
+        The row's query rows and KV slots.
+    i : int or array of int
+        Query rows of the row, in ``[0, qo_len)``.
+
+    Returns
+    -------
+    int or array of int
 
     Examples
     --------
@@ -62,6 +114,19 @@ def key_visible(q_pos, k_pos, causal, window_left):
 
     Causal: ``k_pos <= q_pos``. Sliding window (``window_left >= 0``): ``q_pos - k_pos <= window_left``.
 
+    Parameters
+    ----------
+    q_pos, k_pos : int or array of int
+        Positions of the query and the key (broadcast together).
+    causal : bool
+        Apply the causal mask.
+    window_left : int
+        The inclusive sliding window; ``-1`` disables it.
+
+    Returns
+    -------
+    bool or array of bool
+
     Examples
     --------
     >>> import numpy as np
@@ -75,6 +140,19 @@ def key_visible(q_pos, k_pos, causal, window_left):
 def mask_offset(mask_row_start, kv_len, i, j):
     """Flat index of element ``(i, j)`` of a row's ``[qo_len, kv_len]`` custom mask.
 
+    Parameters
+    ----------
+    mask_row_start : int
+        ``mask_indptr[r]``, the row's first element of ``custom_mask``.
+    kv_len : int
+        The row's KV slots (the mask's row length).
+    i, j : int or array of int
+        Query row and logical KV slot of the row.
+
+    Returns
+    -------
+    int or array of int
+
     Examples
     --------
     >>> from bsrattn import indexing
@@ -86,6 +164,19 @@ def mask_offset(mask_row_start, kv_len, i, j):
 
 def nhd_row(slot, head, num_kv_heads):
     """Row of (pool slot, KV head) in NHD storage ``[num_blocks, Bc, Hkv, D]`` seen as ``[rows, D]``.
+
+    Parameters
+    ----------
+    slot : int or array of int
+        The pool slot, ``block * Bc + offset``.
+    head : int or array of int
+        The KV head.
+    num_kv_heads : int
+        Hkv.
+
+    Returns
+    -------
+    int or array of int
 
     Examples
     --------
@@ -100,6 +191,21 @@ def nhd_row(slot, head, num_kv_heads):
 
 def hnd_row(slot, head, num_kv_heads, block_size):
     """Row of (pool slot, KV head) in HND storage ``[num_blocks, Hkv, Bc, D]`` seen as ``[rows, D]``.
+
+    Parameters
+    ----------
+    slot : int or array of int
+        The pool slot, ``block * Bc + offset``.
+    head : int or array of int
+        The KV head.
+    num_kv_heads : int
+        Hkv.
+    block_size : int
+        Bc, slots per block.
+
+    Returns
+    -------
+    int or array of int
 
     Examples
     --------
