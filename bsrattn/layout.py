@@ -14,17 +14,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from bsrattn import indexing
 
-if TYPE_CHECKING:
-    from bsrattn.variant import Variant
-
 _INT32_MIN, _INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+
+
+class _Variant(Protocol):
+    """What a layout reads of a :class:`~bsrattn.Variant`, which it cannot import (:mod:`bsrattn.variant` imports
+    this module)."""
+
+    alibi_slopes: tuple | None
+    window_left: int
+
+    def position_mask(self, qo_len: int, kv_len: int) -> np.ndarray: ...
+
+
+_V = TypeVar("_V", bound=_Variant)
 
 
 def as_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -339,7 +349,7 @@ class BSRLayout:
         lo, hi = self._mask_indptr[r], self._mask_indptr[r + 1]
         return self.custom_mask[lo:hi].reshape(int(self.qo_lens[r]), int(self.kv_lens[r]))
 
-    def to_dense_mask(self, variant: Variant | None = None) -> np.ndarray:
+    def to_dense_mask(self, variant: _Variant | None = None) -> np.ndarray:
         """``[nnz_qo, num_slots]`` bool: which pool slot each query row attends.
 
         Combines the block structure, ``kv_last_len``, the custom mask and, when a ``variant`` is given,
@@ -583,7 +593,7 @@ class Cascade:
         """KV slots of the pool the levels share."""
         return self.levels[0].num_slots
 
-    def level_variant(self, level: int, variant: Variant) -> Variant:
+    def level_variant(self, level: int, variant: _V) -> _V:
         """The variant level ``level`` runs with: levels before the last see all their keys.
 
         Parameters

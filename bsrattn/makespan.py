@@ -11,18 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-if TYPE_CHECKING:
-    from bsrattn.scheduler import WorkPlan
-
 __all__ = ["makespan", "compare", "SimulationResult", "DISTRIBUTIONS"]
 
 
-def makespan(work_plan: WorkPlan, cost: ArrayLike | None = None) -> float:
+class _Plan(Protocol):
+    """What the study reads of a :class:`~bsrattn.scheduler.WorkPlan` (it imports no scheduler)."""
+
+    def cta_loads(self, cost: ArrayLike | None = None) -> np.ndarray: ...
+
+
+def makespan(work_plan: _Plan, cost: ArrayLike | None = None) -> float:
     """The most loaded CTA's total cost: the plan's finishing time under the cost model.
 
     ``work_plan`` is a :class:`~bsrattn.scheduler.WorkPlan`; ``cost`` (``[W]``) defaults to its ``item_cost``.
@@ -106,8 +109,8 @@ class SimulationResult:
         return float(self.ratios.max())
 
 
-def compare(baseline: Callable[[np.ndarray, np.ndarray], WorkPlan],
-            balanced: Callable[[np.ndarray, np.ndarray], WorkPlan], distribution: str, batch: int, *, trials: int,
+def compare(baseline: Callable[[np.ndarray, np.ndarray], _Plan],
+            balanced: Callable[[np.ndarray, np.ndarray], _Plan], distribution: str, batch: int, *, trials: int,
             seed: int) -> SimulationResult:
     """``makespan(baseline(qo, kv)) / makespan(balanced(qo, kv))`` on ``trials`` random decode batches.
 
