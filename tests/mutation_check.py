@@ -138,7 +138,9 @@ MUTANTS = (
     Mutant("queries top-left aligned", "bsrattn/indexing.py", "return kv_len - qo_len + i", "return i", REFERENCE),
     # indexing and layouts
     Mutant("GQA head mapping h % num_kv_heads: reference microkernel", "bsrattn/reference/microkernel.py",
-           "k = np.repeat(k.astype(dtype), group, axis=1)", "k = np.tile(k.astype(dtype), (1, group, 1))", REFERENCE),
+           "return x.reshape(num_kv_heads, x.shape[0] // num_kv_heads * x.shape[1], x.shape[2])",
+           "return x.reshape(x.shape[0] // num_kv_heads, num_kv_heads, x.shape[1], x.shape[2]).swapaxes(0, 1)"
+           ".reshape(num_kv_heads, x.shape[0] // num_kv_heads * x.shape[1], x.shape[2])", REFERENCE),
     Mutant("GQA head mapping: numba queries", "bsrattn/numba_cuda/microkernel.py",
            "q[q_row0 + i // group, kv_head * group + i % group, d]",
            "q[q_row0 + i // group, kv_head + i % group * (q.shape[1] // group), d]", NUMBA),
