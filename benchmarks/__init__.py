@@ -1,1 +1,1 @@
-"""The benchmark suite: one script per workload of BENCHMARKS.md, a shared harness, plots and a report."""
+"""The benchmark suite: one script per workload of docs/benchmarks.md, a shared harness, plots and a report."""

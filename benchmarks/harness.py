@@ -1,4 +1,4 @@
-"""Timing and validation shared by every workload script: the method of BENCHMARKS.md, written once.
+"""Timing and validation shared by every workload script: the suite's method (benchmarks/README.md), written once.
 
 Every GPU figure goes through :meth:`Suite.measure`, which does, in this order:
 
