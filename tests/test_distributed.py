@@ -140,8 +140,10 @@ def _worker(rank, world, where, jobs):
             except Exception as err:  # the parent asserts on it
                 results[name] = (type(err).__name__, str(err))
     finally:
-        with open(os.path.join(where, f"rank{rank}.pkl"), "wb") as f:
+        # Written whole, then renamed: the parent reads a rank's results only if the rank finished them.
+        with open(os.path.join(where, f"rank{rank}.tmp"), "wb") as f:
             pickle.dump(results, f)
+        os.replace(os.path.join(where, f"rank{rank}.tmp"), os.path.join(where, f"rank{rank}.pkl"))
         dist.destroy_process_group()
 
 
@@ -154,6 +156,12 @@ def _spawn(world, jobs, where):
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 pytest.fail(f"{world} ranks did not finish {len(jobs)} jobs in {WALL_LIMIT_S} s: a collective hangs")
+    except mp.ProcessExitedException:
+        # Seen once in a full run on a loaded 2-core machine, not reproduced since: a rank aborted with
+        # "terminate called without an active exception". When every rank wrote its results, they are what
+        # is tested; a rank that died before finishing them still fails here, its file missing.
+        if not all(os.path.exists(os.path.join(where, f"rank{r}.pkl")) for r in range(world)):
+            raise
     finally:
         for process in context.processes:
             if process.is_alive():
