@@ -18,6 +18,10 @@ class Compiled:
     ----------
     python : callable
         A module-level function of explicit loops over NumPy arrays and scalars, which Numba can compile.
+    *steps : callable
+        Module-level functions ``python`` calls. Numba compiles a call only to a function it can compile, so
+        each is registered with Numba (``register_jitable``) before the first compilation: compiled code then
+        compiles the steps into itself, while plain Python, :meth:`as_python` included, calls them as they are.
 
     Examples
     --------
@@ -30,8 +34,9 @@ class Compiled:
     2
     """
 
-    def __init__(self, python: Callable[..., Any]) -> None:
+    def __init__(self, python: Callable[..., Any], *steps: Callable[..., Any]) -> None:
         self.python = python
+        self.steps = steps
         self._fn = None
 
     def __call__(self, *args: Any) -> Any:
@@ -41,6 +46,10 @@ class Compiled:
             except ImportError:
                 self._fn = self.python
             else:
+                from numba.extending import register_jitable
+
+                for step in self.steps:
+                    register_jitable(step)
                 self._fn = numba.njit(cache=True)(self.python)
         return self._fn(*args)
 

@@ -350,34 +350,8 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_ali
     return flat, chunk, row.size, n_merges, n_merge_items, n_partial_rows
 
 
-class _CompiledSteps(Compiled):
-    """A :class:`~bsrattn.compiled.Compiled` function that calls ``steps``, functions of this module.
-
-    Numba compiles a call only to a function it can compile, so each step is registered with Numba
-    (``register_jitable``) before the first call: compiled code then compiles the steps into itself, while
-    Python, :meth:`as_python` included, still calls the plain functions.
-    """
-
-    def __init__(self, python, *steps):
-        super().__init__(python)
-        self.steps = steps
-        self._registered = False
-
-    def __call__(self, *args):
-        if not self._registered:
-            self._registered = True
-            try:
-                from numba.extending import register_jitable
-            except ImportError:
-                pass
-            else:
-                for step in self.steps:
-                    register_jitable(step)
-        return super().__call__(*args)
-
-
-_core = _CompiledSteps(_plan_core, _chunk_size, _work_items, _longest_first_least_loaded, _round_robin,
-                       _group_by_cta, _partial_rows, _pack)
+_core = Compiled(_plan_core, _chunk_size, _work_items, _longest_first_least_loaded, _round_robin, _group_by_cta,
+                 _partial_rows, _pack)
 
 
 def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance) -> WorkPlan:
