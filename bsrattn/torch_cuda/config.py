@@ -28,6 +28,7 @@ import contextlib
 import os
 import threading
 from dataclasses import astuple, dataclass, fields
+from typing import NamedTuple
 
 DECODE_ROWS = 64
 """A tile whose query rows x group heads fit in this many rows is run with the decode shapes."""
@@ -172,6 +173,12 @@ class LaunchConfig:
     """Whether the kernel carries the dense (affine) load path: when some row of the plan is affine. The
     sparse path serves every row, so a graph captured without it stays correct when later plans have some."""
 
+    @property
+    def hidden_keys(self) -> bool:
+        """Whether the masks hide keys from some queries (causal, window, custom mask): then a second pass
+        redoes the items whose output came out non-finite (``executor.py``)."""
+        return self.causal or self.window_left >= 0 or self.custom_mask
+
     def to_list(self) -> list:
         return [KV_VIEWS.index(v) if isinstance(v, str) else int(v) for v in astuple(self)]
 
@@ -183,9 +190,10 @@ class LaunchConfig:
         return cls(**kw)
 
 
-@dataclass(frozen=True)
-class Scalars:
-    """The float arguments of a launch: ``qk_scale = sm_scale * k_scale``, ``v_scale``, soft cap, sigmoid bias."""
+class Scalars(NamedTuple):
+    """The float arguments of a launch: ``qk_scale = sm_scale * k_scale``, ``v_scale``, soft cap, sigmoid bias.
+
+    A named tuple: it crosses the custom-op boundary as ``list(scalars)``, which ``torch.compile`` traces."""
 
     qk_scale: float
     v_scale: float

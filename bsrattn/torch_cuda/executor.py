@@ -32,12 +32,14 @@ launch replays correctly after the buffers are refilled.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
 
 from bsrattn.torch_cuda import microkernel
-from bsrattn.torch_cuda.config import interpreter_turn
+from bsrattn.torch_cuda.config import interpreter_turn, interpreting
 from bsrattn.torch_cuda.gather import kv_strides
 from bsrattn.torch_cuda.indexing import query_position
 from bsrattn.torch_cuda.merge import fold_partials
@@ -67,18 +69,20 @@ def _store_state(o_ptr, lse_ptr, rows, head, valid, d, o, lse,  # rows, head, va
 
 @triton.jit
 def persistent_attention(
+        # The call's tensors and scalars (call_args) ...
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, out [nnz_qo, Hq, D]; k, v: storage view; lse [nnz_qo, Hq]
-        part_o, part_lse, sync,  # [partial_rows, Hq, D] f32; [partial_rows, Hq] f32; [3*M + W, Hkv] i32
-        cta_indptr, items, merge_partials,  # [num_ctas+1]; [W, ITEM_STRIDE]; [P]
-        kv_indices, mask_ptr, alibi_ptr,  # [nnz] i32; [mask elements] u8; [Hq] f32
         stride_qn, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         stride_on, stride_oh, stride_od,
         stride_ln, stride_lh,
+        qk_scale, v_scale, soft_cap, sigmoid_bias,
+        # ... then what the plan's buffers and the configuration fix (plan_args).
+        part_o, part_lse, sync,  # [partial_rows, Hq, D] f32; [partial_rows, Hq] f32; [3*M + W, Hkv] i32
+        cta_indptr, items, merge_partials,  # [num_ctas+1]; [W, ITEM_STRIDE]; [P]
+        kv_indices, mask_ptr, alibi_ptr,  # [nnz] i32; [mask elements] u8; [Hq] f32
         stride_pn, stride_ph, stride_pln, stride_plh,
-        qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-        num_kv_heads, merge_rows,
+        window_left, num_kv_heads, merge_rows,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
@@ -177,37 +181,130 @@ def persistent_attention(
                             tl.store(merge_flags + merge * num_kv_heads + kv_head, 1)
 
 
-def launch_args(q, k, v, out, lse, buffers, config, scalars):
-    """``(grid, args, kwargs)`` of :func:`persistent_attention` over the plan in ``buffers`` (a :class:`PlanBuffers`).
+def call_args(q, k, v, out, lse, config, scalars) -> tuple:
+    """The arguments of :func:`persistent_attention` that a call gives: its tensors, their strides, the scalars.
 
     ``config`` is a :class:`~bsrattn.torch_cuda.config.LaunchConfig` and ``scalars`` a
-    :class:`~bsrattn.torch_cuda.config.Scalars`; ``lse`` is ``buffers.no_lse`` when ``config.store_lse`` is
-    false. Shapes, dtypes and devices are the caller's to check.
+    :class:`~bsrattn.torch_cuda.config.Scalars`; ``lse`` is the buffers' ``no_lse`` when ``config.store_lse``
+    is false. Shapes, dtypes and devices are the caller's to check.
     """
+    return (q, k, v, out, lse, *q.stride(), *kv_strides(k, config.kv_view), *kv_strides(v, config.kv_view),
+            *out.stride(), *lse.stride(), scalars.qk_scale, scalars.v_scale, scalars.soft_cap, scalars.sigmoid_bias)
+
+
+_CONSTEXPR_NAMES = tuple(name for name, p in inspect.signature(persistent_attention.fn).parameters.items()
+                         if "constexpr" in str(p.annotation))  # a string here, as annotations are in this module
+"""The compile-time parameters of :func:`persistent_attention`, in order (they follow the others)."""
+
+
+def plan_args(buffers, config) -> tuple:
+    """The arguments of :func:`persistent_attention` that the plan's buffers (a :class:`PlanBuffers`) and
+    ``config`` fix: the same for every call over them, and for every plan they are refilled with."""
     sec = buffers.section
-    args = (q, k, v, out, lse, buffers.part_o, buffers.part_lse, buffers.sync,
-            sec("cta_indptr"), sec("items"), sec("merge_partials"), sec("kv_indices"), buffers.mask, buffers.alibi,
-            q.stride(0), q.stride(1), q.stride(2), *kv_strides(k, config.kv_view), *kv_strides(v, config.kv_view),
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            buffers.part_o.stride(0), buffers.part_o.stride(1), buffers.part_lse.stride(0), buffers.part_lse.stride(1),
-            scalars.qk_scale, scalars.v_scale, scalars.soft_cap, config.window_left, scalars.sigmoid_bias,
-            config.num_kv_heads, buffers.merge_rows)
-    kwargs = dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=config.block_size,
-                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
-                  CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap,
-                  ALIBI=config.alibi, SIGMOID=config.sigmoid, CUSTOM_MASK=config.custom_mask,
-                  STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
-                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32", REDO=False,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+    return (buffers.part_o, buffers.part_lse, buffers.sync, sec("cta_indptr"), sec("items"), sec("merge_partials"),
+            sec("kv_indices"), buffers.mask, buffers.alibi, *buffers.part_o.stride()[:2], *buffers.part_lse.stride(),
+            config.window_left, config.num_kv_heads, buffers.merge_rows)
+
+
+def constexprs(config, q_dtype, redo: bool = False) -> dict:
+    """The compile-time arguments of :func:`persistent_attention` for ``config`` and a ``q`` of ``q_dtype``."""
+    return dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=config.block_size,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
+                CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap,
+                ALIBI=config.alibi, SIGMOID=config.sigmoid, CUSTOM_MASK=config.custom_mask,
+                STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
+                PRECISION="ieee" if q_dtype == torch.float32 else "tf32", REDO=redo)
+
+
+def launch_args(q, k, v, out, lse, buffers, config, scalars):
+    """``(grid, args, kwargs)`` of :func:`persistent_attention`: :func:`call_args`, :func:`plan_args`, then
+    :func:`constexprs` and the launch options as keywords."""
+    kwargs = dict(constexprs(config, q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+    args = call_args(q, k, v, out, lse, config, scalars) + plan_args(buffers, config)
     return (config.num_ctas, config.num_kv_heads), args, kwargs
 
 
 def launch(q, k, v, out, lse, buffers, config, scalars):
     """Clear the merge counters and flags, then launch :func:`persistent_attention` (arguments as
-    :func:`launch_args`), and again with ``REDO`` under masks that hide keys."""
-    grid, args, kwargs = launch_args(q, k, v, out, lse, buffers, config, scalars)
-    buffers.sync.zero_()
-    with interpreter_turn():
-        persistent_attention[grid](*args, **kwargs)
-        if config.causal or config.window_left >= 0 or config.custom_mask:
-            persistent_attention[grid](*args, **dict(kwargs, REDO=True))
+    :func:`launch_args`), and again with ``REDO`` under masks that hide keys: a :class:`Launch` made for the
+    one call (the custom op's path, which ``torch.compile``'d code takes)."""
+    Launch(buffers, config)(q, k, v, out, lse, scalars)
+
+
+def _specialised(x):
+    """What Triton's NVIDIA backend specialises a kernel on for argument ``x``: for a pointer, its dtype and whether
+    it is 16-byte aligned; for an int, whether it is 1, whether 16 divides it, and the integer type it is
+    passed as; a float, nothing."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.data_ptr() % 16 == 0
+    if isinstance(x, int):
+        return x == 1, x % 16 == 0, -2**31 <= x < 2**31, x < 2**63
+    return None
+
+
+_COMPILED = {}
+"""What Triton compiled, found again without it: per kind of launch (the configuration, the device, and what
+Triton specialises on in every argument, :func:`_specialised`), the compiled kernel's launcher and its
+compile-time arguments for each pass."""
+_KEEPS_KERNELS = torch.version.hip is None and not interpreting()
+"""Whether launches go to kept kernels: on NVIDIA GPUs, compiled (AMD's backend specialises on more, such as
+whether a tensor's offsets fit 32 bits; the interpreter compiles nothing)."""
+
+
+class Launch:
+    """:func:`launch` for one plan's buffers and one launch configuration, with Triton's per-call work done once.
+
+    ``persistent_attention[grid](...)`` binds its arguments, works out what to specialise the kernel on and
+    looks the kernel up on every call: about 80 µs of host time on the H200 (Triton 3.6), ten times a small
+    decode's GPU time. A ``Launch`` reads the arguments its buffers fix (:func:`plan_args`) once. The first
+    launch of a new kind goes through Triton, and the compiled kernels it returns are kept for the process
+    (:data:`_COMPILED`: a later plan's buffers find them too); a launch of a kind seen before hands their
+    launchers its arguments directly, pointers as addresses. The call's own arguments (pointers, strides) are
+    classified only when they differ from the last call's: a model's layers share them.
+    """
+
+    __slots__ = ("config", "grid", "sync", "plan", "_plan_ptrs", "_plan_kind", "_last")
+
+    def __init__(self, buffers, config):
+        self.config = config
+        self.grid = (config.num_ctas, config.num_kv_heads)
+        self.sync = buffers.sync
+        self.plan = plan_args(buffers, config)
+        self._plan_ptrs = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in self.plan)
+        self._plan_kind = (config, self.sync.device, *map(_specialised, self.plan))
+        self._last = (None, None)  # the last call's (dtypes, pointers' alignment, strides) and its kernels
+
+    def __call__(self, q, k, v, out, lse, scalars):
+        view = self.config.kv_view
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+        ints = (*q.stride(), *kv_strides(k, view), *kv_strides(v, view), *out.stride(), *lse.stride())
+        exact = (q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, *(p % 16 for p in ptrs), *ints)
+        last, kernels = self._last
+        if last != exact:
+            kind = (self._plan_kind, *exact[:5], *(p % 16 == 0 for p in ptrs), *map(_specialised, ints))
+            kernels = _COMPILED.get(kind)
+        self.sync.zero_()
+        if kernels is None:
+            kernels = self._through_triton(q, k, v, out, lse, scalars)
+            if not _KEEPS_KERNELS:
+                return
+            _COMPILED[kind] = kernels
+        else:
+            floats = (scalars.qk_scale, scalars.v_scale, scalars.soft_cap, scalars.sigmoid_bias)
+            for run, tail in kernels:
+                run(*ptrs, *ints, *floats, *self._plan_ptrs, *tail)
+        self._last = (exact, kernels)
+
+    def _through_triton(self, q, k, v, out, lse, scalars) -> list:
+        """Launch each pass through Triton's JIT; its compiled kernels' launchers, each with its constexpr values."""
+        call = call_args(q, k, v, out, lse, self.config, scalars)
+        grid = (*self.grid, 1)  # a compiled kernel's launcher takes all three dimensions
+        kernels = []
+        with interpreter_turn():
+            for redo in (False, True) if self.config.hidden_keys else (False,):
+                tail = constexprs(self.config, q.dtype, redo)
+                kernel = persistent_attention[self.grid](*call, *self.plan, **tail, num_warps=self.config.num_warps,
+                                                         num_stages=self.config.num_stages)
+                if _KEEPS_KERNELS:
+                    kernels.append((kernel[grid], tuple(tail[name] for name in _CONSTEXPR_NAMES)))
+        return kernels
