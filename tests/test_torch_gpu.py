@@ -213,3 +213,68 @@ def test_batch_invariance_with_fixed_split_size():
         attn.plan(lay, HQ, HKV, D, fixed_split_size=1024, num_ctas=ctas)
         outs.append(attn.run(qq, k, v))
     assert torch.equal(outs[0][0], outs[1][1]), "a request's output must not depend on its batch"
+
+
+# ---- eager launches -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ("split decode", "causal prefill"))
+def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
+    """The first eager launch of a kind goes through Triton, which compiles; the torch tier keeps the compiled
+    kernels and sends later launches of that kind to them directly. Those must give the first call's bits, and
+    inputs of a new kind (a q view that is not 16-byte aligned, a KV pool whose strides 16 does not divide)
+    must go through Triton once, as their own kind, never through a kernel specialised for another. One-shot calls, which
+    reuse idle buffers, find the kept kernels too."""
+    from bsrattn.torch_cuda import executor
+
+    through_triton = []
+    real = executor.Launch._through_triton
+    monkeypatch.setattr(executor.Launch, "_through_triton",
+                        lambda self, *args: through_triton.append(1) or real(self, *args))
+    rng = np.random.default_rng(11)
+    if case == "split decode":
+        layout, variant = _paged(rng, [1, 1, 1], [9000, 300, 5000]), ba.Variant()
+        q, k, v = _inputs(rng, layout, "float16", "float16")
+    else:
+        layout, variant = ba.layouts.ragged([200, 333], [200, 333]), ba.Variant(causal=True)
+        q, k, v = _inputs(rng, layout, "float16", "float16", kv_shape=(533, HKV, D))
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout, HQ, HKV, D, variant=variant, q_dtype="float16", kv_dtype="float16")
+    first = attn.run(q, k, v, return_lse=True)
+    _check(first, q, k, v, layout, variant, "float16")
+
+    def same_bits_without_triton(*inputs, triton_calls=0):
+        before = len(through_triton)
+        for _ in range(3):
+            got = attn.run(*inputs, return_lse=True)
+            assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
+        assert len(through_triton) - before == triton_calls
+
+    same_bits_without_triton(q, k, v)
+    # q one element past an aligned address: a kind of its own, through Triton once.
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
+    shifted.copy_(q)
+    same_bits_without_triton(shifted, k, v, triton_calls=1)
+    # The same keys in a pool twice as wide (every other head slot): other strides, but Triton specialises on
+    # strides only as far as 16 divides them, so the kept kernel serves them.
+    wide_k, wide_v = (torch.zeros(x.shape[:-2] + (2 * HKV, D), dtype=x.dtype, device="cuda")[..., ::2, :]
+                      for x in (k, v))
+    wide_k.copy_(k)
+    wide_v.copy_(v)
+    same_bits_without_triton(q, wide_k, wide_v)
+    # Rows padded by 8 elements: strides 16 does not divide, a kind of its own.
+    padded_k, padded_v = (torch.zeros(x.shape[:-1] + (D + 8,), dtype=x.dtype, device="cuda")[..., :D]
+                          for x in (k, v))
+    padded_k.copy_(k)
+    padded_v.copy_(v)
+    same_bits_without_triton(q, padded_k, padded_v, triton_calls=1)
+    for _ in range(3):
+        again = ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=True)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    before = len(through_triton)
+    ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=True)
+    assert len(through_triton) == before, "a one-shot call of a kind seen before must find the kept kernels"
+    if case == "causal prefill":  # the second pass, through a kept kernel: a hidden key's NaN changes nothing
+        v[332] = float("nan")  # the second request's key 132: hidden from the first's rows, and from its rows < 132
+        got = attn.run(q, k, v, return_lse=True)
+        assert torch.equal(got[0][:200], first[0][:200]) and torch.equal(got[0][200:332], first[0][200:332])
+        assert torch.isnan(got[0][332:]).all()

@@ -92,7 +92,7 @@ class Capacity:
         ``num_ctas + n_tiles`` items (``sum ceil(l / L_kv) <= sum (l / L_kv + 1)``), whatever the lengths:
         items, merges and partials are sized for that worst case, and so are the partial-state rows when
         that workspace stays under :data:`WORKSPACE_HEADROOM_BYTES` (decode; prefill keeps its own need).
-        Every size is then rounded up to a power of two, at least 16.
+        Every size is then :meth:`rounded`.
         """
         tiles = np.unique(work_plan.item_qo_start).size
         worst = self.num_ctas + tiles
@@ -100,9 +100,13 @@ class Capacity:
         partial_rows = max(self.partial_rows, worst * rows_per_tile)
         if partial_rows * num_qo_heads * (head_dim + 1) * 4 > WORKSPACE_HEADROOM_BYTES:
             partial_rows = self.partial_rows
-        sizes = replace(self, items=max(self.items, worst), merges=max(self.merges, tiles),
-                        partials=max(self.partials, worst), partial_rows=partial_rows)
-        return Capacity(self.num_ctas, *(max(16, next_pow2(x)) for x in astuple(sizes)[1:]))
+        return replace(self, items=max(self.items, worst), merges=max(self.merges, tiles),
+                       partials=max(self.partials, worst), partial_rows=partial_rows).rounded()
+
+    def rounded(self) -> "Capacity":
+        """Every size rounded up to a power of two, at least 16: few distinct capacities, so few distinct launch
+        arguments (the merge rows), whatever the lengths."""
+        return Capacity(self.num_ctas, *(max(16, next_pow2(x)) for x in astuple(self)[1:]))
 
     def section_sizes(self, num_qo_heads: int) -> dict:
         return {"cta_indptr": self.num_ctas + 1, "items": self.items * ITEM_STRIDE, "merge_partials": self.partials,
@@ -213,6 +217,9 @@ class PlanBuffers:
     came out non-finite (``executor.py``).
     ``host_staging`` (default: on a CUDA device) fills a host copy, pinned on CUDA, and copies the bytes a
     plan uses to the device; without it the plan is written in place (the CPU, under the Triton interpreter).
+    Every buffer is allocated uninitialised, with no kernel launched (a one-shot call allocates a set): a
+    launch reads only bytes written before it, the plan's by the refill, ``sync`` by the launch's own clear,
+    a partial state by the item that computes it.
     """
 
     def __init__(self, capacity: Capacity, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -233,11 +240,11 @@ class PlanBuffers:
         self._plan_bytes = 4 * at
         total = self._plan_bytes + max(capacity.mask, 1)
         self.device = device
-        self.raw = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.raw = torch.empty(total, dtype=torch.uint8, device=device)
         if host_staging is None:
             host_staging = device.type == "cuda"
         # Pinned on CUDA, so the refill is one asynchronous copy in stream order.
-        self.staging = (torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda") if host_staging
+        self.staging = (torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda") if host_staging
                         else self.raw)
         host = self.staging.numpy()
         self._host_plan = host[:self._plan_bytes].view(np.int32)
@@ -246,14 +253,15 @@ class PlanBuffers:
         self.plan = self.raw[:self._plan_bytes].view(torch.int32)
         self.mask = self.raw[self._plan_bytes:]
         rows = max(capacity.partial_rows, 1)
-        self.part_o = torch.zeros((rows, num_qo_heads, head_dim), dtype=torch.float32, device=device)
-        self.part_lse = torch.zeros((rows, num_qo_heads), dtype=torch.float32, device=device)
+        self.part_o = torch.empty((rows, num_qo_heads, head_dim), dtype=torch.float32, device=device)
+        self.part_lse = torch.empty((rows, num_qo_heads), dtype=torch.float32, device=device)
         # Merge counters for the first and the second launch, merge flags, item flags (executor.py, REDO).
         self.merge_rows = capacity.merges
-        self.sync = torch.zeros((3 * capacity.merges + capacity.items, num_kv_heads), dtype=torch.int32,
+        self.sync = torch.empty((3 * capacity.merges + capacity.items, num_kv_heads), dtype=torch.int32,
                                 device=device)
         # Stands in for lse when the caller wants none: a launch always gets a tensor there.
-        self.no_lse = torch.zeros((1, 1), dtype=torch.float32, device=device)
+        self.no_lse = torch.empty((1, 1), dtype=torch.float32, device=device)
+        self.launches = {}  # LaunchConfig -> the executor's Launch bound to these buffers (runner.py)
         self._turn = threading.Lock()
         self._stream = None  # the CUDA stream of the last launch or refill
 
@@ -274,6 +282,14 @@ class PlanBuffers:
                     stream.wait_stream(self._stream)
                 self._stream = stream
             yield
+
+    def idle(self) -> bool:
+        """Whether the last refill's copy to the device has finished, so a refill now would not wait for it."""
+        return self._copied is None or self._copied.query()
+
+    @property
+    def workspace_bytes(self) -> int:
+        return (self.part_o.numel() + self.part_lse.numel()) * 4
 
     def section(self, name: str) -> torch.Tensor:
         at, size = self.offsets[name]

@@ -15,6 +15,7 @@ and flags first, so none depends on what an earlier one left behind.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 
 from bsrattn import scheduler
 from bsrattn.torch_cuda import config as cfg
+from bsrattn.torch_cuda import executor
 from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
 from bsrattn.torch_cuda.tensors import SUPPORTED, TORCH_DTYPES, canonical_device, check_device, check_interpretable, \
     default_device, device_of, to_numpy, to_torch, write_back
@@ -37,31 +39,34 @@ class Runner:
     work_plan : WorkPlan
     device : torch.device
         Where the plan's buffers live; every tensor given to :meth:`run` must be there.
-    previous : Runner, optional
-        A runner whose buffers may be refilled in place (when they fit) instead of allocating new ones.
+    previous : Runner or PlanBuffers, optional
+        A runner whose buffers may be refilled in place (when they fit) instead of allocating new ones; a
+        warning says when they do not fit, since a CUDA graph captured on them would then be stale. Or
+        buffers to refill the same way, silently (a one-shot call's spare buffers).
     headroom : bool
         Size new buffers for any later plan of the same batch (see ``Capacity.grown``) rather than for this
-        plan alone; a one-shot call passes False.
+        plan alone (its sizes only rounded, ``Capacity.rounded``); a one-shot call passes False.
     """
 
     def __init__(self, spec, work_plan, device, previous=None, headroom=True):
         device = canonical_device(device)
-        previous = previous if isinstance(previous, Runner) else None
-        if previous is None or previous.device != device:  # a runner's device was checked when it was made
+        replan = isinstance(previous, Runner)
+        spare = previous.buffers if replan else previous
+        if spare is None or spare.device != device:  # a runner's device was checked when it was made
             check_device(device)
         check_interpretable("q", TORCH_DTYPES.get(spec.q_dtype))  # before any buffer is allocated
         need = Capacity.needed(work_plan, spec.layout)
         shape = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
-        if previous is not None and previous.buffers.fits(need, *shape):
-            buffers = previous.buffers
+        if spare is not None and spare.fits(need, *shape):
+            buffers = spare
         else:
-            if previous is not None:
+            if replan:
                 warnings.warn(f"the plan needs {need}, beyond the previous plan's buffers "
-                              f"({previous.buffers.capacity}, heads/dim/device {previous.buffers.shape_key}); "
+                              f"({spare.capacity}, heads/dim/device {spare.shape_key}); "
                               f"new buffers were allocated, so recapture any CUDA graph taken on the old ones "
                               f"(plan the largest step first to avoid this)", RuntimeWarning, stacklevel=3)
             # Headroom keeps later re-plans (CUDA graphs) in place; a one-shot call needs none.
-            capacity = need.grown(work_plan, spec.num_qo_heads, spec.head_dim) if headroom else need
+            capacity = need.grown(work_plan, spec.num_qo_heads, spec.head_dim) if headroom else need.rounded()
             buffers = PlanBuffers(capacity, *shape)
         # The kernel carries the dense load path only for a plan with affine rows (LaunchConfig.dense_rows).
         with buffers.ordered():
@@ -70,7 +75,10 @@ class Runner:
         self.work_plan = work_plan
         self.device = device
         self.buffers = buffers
-        self._configs = {}
+        self._configs = {}  # (q dtype, kv view, store lse) -> LaunchConfig
+        self._launches = {}  # the same keys -> executor.Launch
+        self._unit_scales = cfg.Scalars(spec.sm_scale, 1.0, float(spec.variant.logits_soft_cap),
+                                        float(spec.variant.sigmoid_bias or 0.0))
 
     def launch_config(self, q_dtype: str, kv_view: str, store_lse: bool) -> cfg.LaunchConfig:
         """The launch configuration for inputs of ``q_dtype`` stored as ``kv_view``."""
@@ -90,35 +98,52 @@ class Runner:
                 dense_rows=self.dense_rows)
         return self._configs[key]
 
+    def _launch(self, key) -> executor.Launch:
+        """The eager launch of configuration ``key`` (as :meth:`launch_config` takes it) over this runner's
+        buffers: one per configuration, kept with the buffers, so that later plans refilled into them find it."""
+        launch = self._launches.get(key)
+        if launch is None:
+            config = self.launch_config(*key)
+            launch = self.buffers.launches.get(config)
+            if launch is None:
+                launch = self.buffers.launches[config] = executor.Launch(self.buffers, config)
+            self._launches[key] = launch
+        return launch
+
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
         """Attention of the plan on ``q [nnz_qo, Hq, D]``, ``k``/``v`` (a storage view); returns ``(out, lse or None)``.
 
         Inputs are torch tensors on this runner's device, or NumPy arrays (moved there; the results then
-        come back as NumPy). ``out``/``lse`` buffers are written in place and returned.
+        come back as NumPy). ``out``/``lse`` buffers are written in place and returned. Called eagerly, the
+        kernel is launched through the buffers' :class:`~bsrattn.torch_cuda.executor.Launch`; traced by
+        ``torch.compile``, through the custom op (:mod:`bsrattn.torch_cuda.ops`).
         """
         spec = self.spec
         as_numpy = not isinstance(q, torch.Tensor)
-        q_t, k_t, v_t = (to_torch(name, x, self.device) for name, x in (("q", q), ("k", k), ("v", v)))
-        for name, x in (("q", q_t), ("k", k_t)):
-            if dtype_name(x) not in SUPPORTED:
-                raise TypeError(f"{name} has dtype {dtype_name(x)}; the torch tier supports {SUPPORTED} "
+        q_t, k_t, v_t = to_torch("q", q, self.device), to_torch("k", k, self.device), to_torch("v", v, self.device)
+        q_dtype = dtype_name(q_t)
+        for name, dtype in (("q", q_dtype), ("k", dtype_name(k_t))):
+            if dtype not in SUPPORTED:
+                raise TypeError(f"{name} has dtype {dtype}; the torch tier supports {SUPPORTED} "
                                 f"(use backend='reference' for float64)")
         want_lse = (return_lse or lse is not None) and not spec.variant.use_sigmoid
         out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
         lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
-        config = self.launch_config(dtype_name(q_t), spec.kv_view_of(k_t), want_lse)
+        key = (q_dtype, spec.kv_view_of(k_t), want_lse)
         # fp8 KV is dequantised by folding k_scale into the score scale and v_scale into the output.
-        scalars = [spec.sm_scale * (1.0 if k_scale is None else float(k_scale)),
-                   1.0 if v_scale is None else float(v_scale),
-                   float(spec.variant.logits_soft_cap), float(spec.variant.sigmoid_bias or 0.0)]
+        scalars = self._unit_scales
+        if k_scale is not None or v_scale is not None:
+            scalars = scalars._replace(qk_scale=spec.sm_scale * (1.0 if k_scale is None else float(k_scale)),
+                                       v_scale=1.0 if v_scale is None else float(v_scale))
         b = self.buffers
-        args = (q_t, k_t, v_t, out_t, b.no_lse if lse_t is None else lse_t, b.plan, b.mask, b.part_o, b.part_lse,
-                b.sync, b.sections, config.to_list(), scalars)
+        lse_arg = b.no_lse if lse_t is None else lse_t
         if torch.compiler.is_compiling():  # traced: the compiled graph orders its launches
-            torch.ops.bsrattn.attention_run(*args)
+            torch.ops.bsrattn.attention_run(q_t, k_t, v_t, out_t, lse_arg, b.plan, b.mask, b.part_o, b.part_lse,
+                                            b.sync, b.sections, self.launch_config(*key).to_list(), list(scalars))
         else:
+            launch = self._launch(key)
             with b.ordered():
-                torch.ops.bsrattn.attention_run(*args)
+                launch(q_t, k_t, v_t, out_t, lse_arg, scalars)
         if as_numpy:
             o = write_back(out, out_t) if out is not None else to_numpy(out_t)
             s = None if lse_t is None else (write_back(lse, lse_t) if lse is not None else to_numpy(lse_t))
@@ -142,13 +167,54 @@ class Runner:
 
 def make_runner(spec, work_plan, previous=None) -> Runner:
     """Bind ``work_plan`` to device buffers, reusing ``previous``'s in place when they fit (CUDA graphs)."""
-    device = previous.device if isinstance(previous, Runner) else default_device()
+    previous = previous if isinstance(previous, Runner) else None
+    device = default_device() if previous is None else previous.device
     return Runner(spec, work_plan, device, previous)
 
 
+SPARES_PER_SHAPE = 4
+"""Buffers of finished one-shot calls kept per (heads, head_dim, device), for the next calls to refill."""
+SPARE_WORKSPACE_BYTES = 256 * 2**20
+"""At most this much partial-state workspace is kept in spares per (heads, head_dim, device); the oldest go."""
+_spares = {}  # PlanBuffers.shape_key -> [PlanBuffers], most recently used last
+_spares_turn = threading.Lock()
+
+
+def _take_spare(need, shape_key):
+    """An idle spare of ``shape_key`` that ``need`` fits, taken out of the pool (so no other call refills it)."""
+    with _spares_turn:
+        spares = _spares.get(shape_key, [])
+        for i in range(len(spares) - 1, -1, -1):
+            if spares[i].capacity.fits(need) and spares[i].idle():
+                return spares.pop(i)
+    return None
+
+
+def _give_back(buffers):
+    with _spares_turn:
+        spares = _spares.setdefault(buffers.shape_key, [])
+        spares.append(buffers)
+        del spares[:-SPARES_PER_SHAPE]
+        while spares and sum(b.workspace_bytes for b in spares) > SPARE_WORKSPACE_BYTES:
+            del spares[0]  # back to the allocator
+
+
 def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
-    """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once."""
-    device = device_of(q, k, v, out, lse)
+    """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once.
+
+    The plan goes into the buffers of an earlier one-shot call of the same heads, head_dim and device when one
+    is idle (its plan's copy to the device has finished) and large enough: allocating them and binding their
+    launch cost more host time than a small decode. Two calls at once never share buffers; under CUDA graph
+    capture every call gets buffers of its own, kept by nobody else (a captured graph reads them at replay).
+    """
+    device = canonical_device(device_of(q, k, v, out, lse))
     work_plan = scheduler._plan_valid(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
-    return Runner(spec, work_plan, device, headroom=False).run(q, k, v, out=out, lse=lse, return_lse=return_lse,
-                                                               k_scale=k_scale, v_scale=v_scale)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    shape_key = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
+    spare = None if capturing else _take_spare(Capacity.needed(work_plan, spec.layout), shape_key)
+    runner = Runner(spec, work_plan, device, spare, headroom=False)
+    try:
+        return runner.run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+    finally:
+        if not capturing:
+            _give_back(runner.buffers)
