@@ -295,6 +295,41 @@ def test_threads_sharing_one_batch_attention_each_get_their_answer(tier):
         check(tier, got, expected(paged_views(variant), *inputs(seed)), f"thread {seed}")
 
 
+def test_threads_making_one_shot_calls_at_once_each_get_their_answer(tier):
+    """One-shot calls reuse idle buffers of earlier ones (the torch tier): two calls at once must never share
+    them, whatever their plans. Each thread has its own lengths, so a shared plan would be a wrong answer."""
+    variant = ba.Variant(causal=True)
+    results, errors = {}, []
+
+    def layout_of(seed):
+        return ba.layouts.ragged([2 + seed, 5], [4 + 3 * seed, 9])
+
+    def worker(seed):
+        try:
+            lay = layout_of(seed)
+            rng = np.random.default_rng(seed)
+            q, k, v = (rng.standard_normal((n, h, D)).astype(np.float32)
+                       for n, h in ((lay.nnz_qo, HQ), (lay.num_blocks, HKV), (lay.num_blocks, HKV)))
+            for _ in range(3):
+                got = ba.attention(*(tier.array(x, "float32") for x in (q, k, v)), lay, variant=variant,
+                                   backend=tier.name, return_lse=True)
+                results.setdefault(seed, []).append(([tier.numpy(x) for x in got], (q, k, v)))
+        except Exception as err:  # noqa: BLE001 - reported in the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for seed, runs in results.items():
+        for got, (q, k, v) in runs:
+            want = ba.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), layout_of(seed),
+                                variant=variant, backend="reference", return_lse=True)
+            check(tier, got, want, f"thread {seed}")
+
+
 # ---- the compiled kernels at real sizes (H200) ---------------------------------------------------------
 
 GPU_HQ, GPU_HKV, GPU_D = 32, 8, 128

@@ -44,6 +44,17 @@ def device_array(x, name: str):
     return dev
 
 
+def resident(a, dtype):
+    """``a`` (a host array) on the device as ``dtype``, of its shape, or ``[1]`` when empty: kernels take no empty
+    arrays.
+
+    Plan-time copies live here, not beside the kernels: under the CUDA simulator a running kernel's module has
+    its ``cuda`` swapped for the simulator's stand-in, so a copy made there from another thread would fail.
+    """
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return cuda.to_device(a if a.size else np.zeros(1, dtype))
+
+
 def empty(shape, fmt: str):
     """A new device array holding ``shape`` elements of ``fmt`` (as its storage dtype)."""
     return cuda.device_array(tuple(int(s) for s in shape), dtype=storage_dtype(fmt))

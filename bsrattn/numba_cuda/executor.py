@@ -248,12 +248,6 @@ def _address(x) -> int:
     return getattr(x, "__cuda_array_interface__", {"data": (0,)})["data"][0]
 
 
-def _at_least_one(a, dtype):
-    """``a`` as a device array of ``dtype`` with at least one element (kernels take no empty arrays)."""
-    a = np.asarray(a, dtype=dtype).reshape(-1)
-    return cuda.to_device(a if a.size else np.zeros(1, dtype))
-
-
 class Runner:
     """A :class:`~bsrattn.scheduler.WorkPlan` bound to its spec, its index arrays resident on the device.
 
@@ -271,19 +265,19 @@ class Runner:
         heights = work_plan.item_qo_end - work_plan.item_qo_start
         self.item_rows = int(heights.max()) if heights.size else 1
         self._layout_args = (
-            _at_least_one(layout.qo_indptr, np.int32), _at_least_one(layout.kv_indptr, np.int32),
-            _at_least_one(layout.kv_indices, np.int32), _at_least_one(layout.kv_lens, np.int32),
-            _at_least_one(starts if self.dense else np.zeros(layout.num_rows), np.int32),
-            _at_least_one(layout.mask_indptr, np.int64),
-            _at_least_one(layout.custom_mask if layout.custom_mask is not None else [], np.bool_))
+            arrays.resident(layout.qo_indptr, np.int32), arrays.resident(layout.kv_indptr, np.int32),
+            arrays.resident(layout.kv_indices, np.int32), arrays.resident(layout.kv_lens, np.int32),
+            arrays.resident(starts if self.dense else np.zeros(layout.num_rows), np.int32),
+            arrays.resident(layout.mask_indptr, np.int64),
+            arrays.resident(layout.custom_mask if layout.custom_mask is not None else [], np.bool_))
         items = np.stack([work_plan.item_row, work_plan.item_qo_start, work_plan.item_qo_end,
                           work_plan.item_kv_start, work_plan.item_kv_end, work_plan.item_partial])
-        self._plan_args = (_at_least_one(work_plan.cta_indptr, np.int32),
-                           cuda.to_device(np.ascontiguousarray(items, dtype=np.int32)) if items.size else None)
-        self._merge_args = tuple(_at_least_one(a, np.int32) for a in (
+        self._plan_args = (arrays.resident(work_plan.cta_indptr, np.int32),
+                           arrays.resident(items, np.int32) if items.size else None)
+        self._merge_args = tuple(arrays.resident(a, np.int32) for a in (
             work_plan.merge_indptr, work_plan.merge_partials, work_plan.merge_qo_start, work_plan.merge_qo_end))
         variant = spec.variant
-        self._alibi = _at_least_one(variant.alibi_slopes if variant.alibi_slopes is not None else [], np.float64)
+        self._alibi = arrays.resident(variant.alibi_slopes if variant.alibi_slopes is not None else [], np.float64)
         # The workspace serves one call at a time: a second thread's launches would overwrite partial states
         # the first call's merge has not read yet (every launch goes to the default stream, in call order).
         self._workspace = previous._workspace if previous is not None else {}
