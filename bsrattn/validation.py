@@ -34,7 +34,14 @@ def dtype_name(x) -> str:
     """
     if isinstance(x, type):  # a scalar type; its ``dtype`` attribute is a descriptor, not a dtype
         x = np.dtype(x)
-    return str(getattr(x, "dtype", x)).removeprefix("torch.")
+    dtype = getattr(x, "dtype", x)
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES = {}  # dtype -> name: every call of a run checks a dozen dtypes
 
 
 def shape_of(x) -> tuple:
