@@ -185,17 +185,17 @@ def _tiny_merge(dtype):
     flashinfer().merge_state_in_place(o, s, o.clone(), s.clone())
 
 
-def prebuild_steps(quick: bool, workloads=("w1", "w2", "w3", "w4", "w5", "w6")):
+def prebuild_steps(quick: bool, workloads=("w1", "w2", "w3", "w4", "w5", "w6", "w8")):
     """``(name, fn)`` per FlashInfer JIT module the selected workloads use, in the order they need them."""
     import torch
 
     f16, bf16, e4m3 = torch.float16, torch.bfloat16, torch.float8_e4m3fn
     # (name, workloads that use it, needed by a --quick run, build)
-    steps = [("decode fp16 (CUDA-core)", "w1 w2 w4 w5 w6", True, lambda: _tiny_decode(f16, f16, False)),
+    steps = [("decode fp16 (CUDA-core)", "w1 w2 w4 w5 w6 w8", True, lambda: _tiny_decode(f16, f16, False)),
              ("decode fp16 (tensor-core: fa2 prefill fp16)", "w2 w4 w5 w6", True, lambda: _tiny_decode(f16, f16, True)),
              ("decode fp16 q / fp8-e4m3 KV (CUDA-core)", "w2", True, lambda: _tiny_decode(f16, e4m3, False)),
              ("merge_state_in_place fp16", "w5", True, lambda: _tiny_merge(f16)),
-             ("ragged prefill bf16 fa2", "w3", True, lambda: _tiny_ragged(bf16, "fa2")),
+             ("ragged prefill bf16 fa2", "w3 w8", True, lambda: _tiny_ragged(bf16, "fa2")),
              ("ragged prefill bf16 fa3", "w3", True, lambda: _tiny_ragged(bf16, "fa3")),
              ("decode bf16 (CUDA-core)", "w2", False, lambda: _tiny_decode(bf16, bf16, False)),
              ("decode bf16 (tensor-core: fa2 prefill bf16)", "w2", False, lambda: _tiny_decode(bf16, bf16, True)),
@@ -228,7 +228,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Build FlashInfer's JIT modules that the benchmark suite uses.")
     p.add_argument("command", choices=["prebuild"])
     p.add_argument("--quick", action="store_true", help="only the modules the --quick suite uses")
-    p.add_argument("--workloads", default="w1,w2,w3,w4,w5,w6", help="comma-separated workloads to build for")
+    p.add_argument("--workloads", default="w1,w2,w3,w4,w5,w6,w8", help="comma-separated workloads to build for")
     args = p.parse_args(argv)
     return prebuild(args.quick, [w.strip() for w in args.workloads.split(",")])
 

@@ -296,7 +296,7 @@ class Suite:
                              "traceback": traceback.format_exc(limit=6)}), None
 
     def measure(self, config: dict, impl: str, build, *, shape, rows, expected, dtype: str, bytes_needed=None,
-                flops=None, graph=True, view=None, out=None, needs_cuda=False) -> dict | None:
+                flops=None, graph=True, view=None, out=None, needs_cuda=False, host_loop=False) -> dict | None:
         """Build, check, then time ``impl`` on one configuration; returns the record (None if filtered out).
 
         Parameters
@@ -321,6 +321,9 @@ class Suite:
             The output buffer ``fn`` writes into; filled with NaN before each checked run.
         needs_cuda : bool
             Recorded as unavailable in a dry run on the CPU.
+        host_loop : bool
+            Also time the host cost per call of a tight loop (:func:`~benchmarks.timing.time_host_loop`, in
+            dry runs too); it is then the record's figure (``time_mode`` ``host``).
         """
         rec, fn = self._build(config, impl, build, needs_cuda, bytes=bytes_needed, flops=flops,
                               **ceilings.bound(self.ceilings, bytes_needed, flops))
@@ -338,6 +341,12 @@ class Suite:
             del y
             if not rec["check"]["ok"]:
                 return self.add({**rec, "status": "incorrect", "reason": rec["check"]["message"]})
+            if host_loop:
+                stage = "host"
+                rec["host"] = timing.time_host_loop(fn, sync=timing.synchronize if self.gpu else (lambda: None),
+                                                    warmup=min(self.warmup, 2) if self.dry_run else self.warmup,
+                                                    samples=3 if self.dry_run else self.samples)
+                rec["time_us"], rec["time_mode"] = rec["host"]["median_us"], "host"
             if not self.gpu:
                 return self.add(rec)
             stage = "eager"
@@ -360,8 +369,9 @@ class Suite:
         del fn
         self.release()
         best = rec["graph"].get("median_us") or rec["eager"]["median_us"]
-        rec["time_us"] = best
-        rec["time_mode"] = "graph" if rec["graph"].get("median_us") else "eager"
+        if not host_loop:
+            rec["time_us"] = best
+            rec["time_mode"] = "graph" if rec["graph"].get("median_us") else "eager"
         if "bound_us" in rec:
             rec["fraction"] = rec["bound_us"] / best
         if bytes_needed is not None:

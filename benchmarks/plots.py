@@ -7,7 +7,8 @@
 - W3: TFLOP/s per configuration, with the measured GEMM ceiling;
 - W4, W5: speedups (no-split / planned; best plain decode / cascade) per configuration;
 - W6: ``plan()`` host time against batch size;
-- W7: the makespan ratios and the read-amplification model against its expectation.
+- W7: the makespan ratios and the read-amplification model against its expectation;
+- W8: host time per call of a tight loop, per configuration.
 """
 
 from __future__ import annotations
@@ -193,8 +194,19 @@ def plot_w7(payload, fig):
         _legend(right, fontsize=7)
 
 
+def plot_w8(payload, fig):
+    recs = _ok(payload["records"])
+    labels = _configs(recs)
+    series = {impl: {config_label(r["config"]): r["time_us"] for r in recs if r["impl"] == impl}
+              for impl in _impls(recs)}
+    ax = fig.subplots()
+    _bars(ax, labels, series, "host µs per call (tight loop)")
+    ax.set_yscale("log")
+    _legend(ax, fontsize=7, ncol=2)
+
+
 PLOTS = {"w1_quest_decode": plot_w1, "w2_paged_decode": plot_w2, "w3_prefill": plot_w3, "w4_split_kv": plot_w4,
-         "w5_cascade": plot_w5, "w6_plan_host": plot_w6, "w7_cpu_models": plot_w7}
+         "w5_cascade": plot_w5, "w6_plan_host": plot_w6, "w7_cpu_models": plot_w7, "w8_run_host": plot_w8}
 
 
 def draw(payload, path: Path, dpi: int = 90) -> Path:

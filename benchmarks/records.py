@@ -53,14 +53,13 @@ def _cell(x) -> str:
 
 def summary_table(records) -> str:
     """A plain text table of records, printed at the end of each script."""
-    lines = [f"{'config':46} {'impl':26} {'graph µs':>9} {'eager µs':>9} {'bound µs':>9} {'frac':>6}  status"]
+    lines = [f"{'config':46} {'impl':26} {'graph µs':>9} {'eager µs':>9} {'host µs':>9} {'bound µs':>9} {'frac':>6}"
+             f"  status"]
     for r in records:
-        g = r.get("graph", {}).get("median_us") if isinstance(r.get("graph"), dict) else None
-        e = r.get("eager", {}).get("median_us") if isinstance(r.get("eager"), dict) else None
-        if r.get("host"):
-            e = r["host"]["median_us"]
+        g, e, h = (r[key].get("median_us") if isinstance(r.get(key), dict) else None
+                   for key in ("graph", "eager", "host"))
         frac = f"{r['fraction']:6.2f}" if "fraction" in r else f"{'-':>6}"
         status = r["status"] + (f": {r['reason'][:60]}" if r.get("reason") else "")
-        lines.append(f"{config_label(r['config'])[:46]:46} {r['impl'][:26]:26} {_cell(g)} {_cell(e)} "
+        lines.append(f"{config_label(r['config'])[:46]:46} {r['impl'][:26]:26} {_cell(g)} {_cell(e)} {_cell(h)} "
                      f"{_cell(r.get('bound_us'))} {frac}  {status}")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ if __package__ in (None, ""):
 from benchmarks.records import RESULTS_DIR, config_label, load_results  # noqa: E402
 
 ORDER = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
-         "w7_cpu_models")
+         "w7_cpu_models", "w8_run_host")
 NO_SPLIT = "-no-split"
 STATUS_MARK = {"unavailable": "n/a", "error": "error", "incorrect": "WRONG", "skipped": "skipped"}
 
@@ -179,6 +179,20 @@ def table_w6(payload) -> list:
     return markdown(header, lines) + _notes(table)
 
 
+def table_w8(payload) -> list:
+    """Host µs per call of a tight loop, and in brackets one isolated eager call's µs (host + GPU)."""
+    table = Table(payload["records"])
+
+    def host_and_eager(rec) -> str:
+        eager = rec.get("eager", {}).get("median_us")
+        return f"{rec['time_us']:.1f}" + (f" ({eager:.1f})" if eager is not None else "")
+
+    header = ["configuration"] + table.columns
+    lines = [[row] + [table.cell(row, c, host_and_eager) for c in table.columns] for row in table.rows]
+    return (["Host µs per call in a tight loop (in brackets: one eager call after a flush, host + GPU, µs):", ""]
+            + markdown(header, lines) + _notes(table))
+
+
 def table_w7(payload) -> list:
     recs = [r for r in payload["records"] if r["status"] == "ok"]
     makespan = [r for r in recs if r["config"]["table"] == "makespan"]
@@ -215,6 +229,7 @@ SECTIONS = {
     "w5_cascade": table_w5,
     "w6_plan_host": table_w6,
     "w7_cpu_models": table_w7,
+    "w8_run_host": table_w8,
 }
 
 

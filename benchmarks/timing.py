@@ -52,6 +52,26 @@ def time_eager(fn, *, flush, warmup: int, samples: int) -> dict:
     return stats([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
 
 
+def time_host_loop(fn, *, sync, warmup: int, samples: int, calls: int = 20) -> dict:
+    """Stats of the host time per call: each sample is ``calls`` back-to-back calls of ``fn`` timed by the host
+    clock, divided by ``calls``, with no flush and no synchronize between them (``sync()`` after each sample).
+    What a loop of calls costs the CPU, the GPU queue absorbing the kernels; a call that waits for the GPU
+    shows it here."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3 / calls)
+        sync()
+    return stats(times)
+
+
 def time_graph(fn, check, *, flush, warmup: int, samples: int) -> dict:
     """Stats of ``samples`` replays of ``fn`` captured in a CUDA graph, each after an L2 flush queued ahead of it
     (GPU time: the launch is hidden behind the flush). One replay is checked first, its output filled with NaN

@@ -19,7 +19,8 @@ from bsrattn.indexing import ceil_div  # noqa: E402
 from benchmarks import ceilings, correctness, harness, plots, records, report, run_all, timing  # noqa: E402
 from benchmarks import w7_cpu_models  # noqa: E402
 
-GPU_SCRIPTS = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host")
+GPU_SCRIPTS = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
+               "w8_run_host")
 
 
 def _dry_suite(tmp_path=None, impls=None):
@@ -216,9 +217,9 @@ def test_gpu_script_dry_run(name, tmp_path):
     assert set(by_status) <= {"ok", "unavailable"}, [r for r in payload["records"] if r["status"] != "ok"]
     assert by_status.get("unavailable") and all(i.startswith("flashinfer") for i in by_status["unavailable"])
     assert any(impl.startswith("bsrattn-") for impl in by_status["ok"])
-    if name == "w6_plan_host":
+    if name in ("w6_plan_host", "w8_run_host"):
         assert all(r["host"]["samples"] > 0 for r in payload["records"] if r["status"] == "ok")
-    else:
+    if name != "w6_plan_host":  # plans: nothing to check
         checked = [r for r in payload["records"] if "check" in r]
         assert len(checked) == len(by_status["ok"])
         assert all(r["check"]["ok"] and r["check"]["rows_checked"] > 0 for r in checked)
@@ -267,7 +268,9 @@ def synthetic_payloads():
                "reason": "time budget spent"})
     w6 = [dict(_rec({"batch": b, "kv_len": 4096}, impl, t * b ** 0.5), time_mode="host", host={"median_us": t})
           for b in (1, 256) for impl, t in (("bsrattn-torch", 20.0), ("flashinfer-tensor-core", 57.0))]
-    return {name: payload(name, recs) for name, recs in zip(GPU_SCRIPTS, (w1, w2, w3, w4, w5, w6))}
+    w8 = [dict(_rec({"kind": "decode", "batch": 1, "kv_len": 1024}, impl, t), time_mode="host", host={"median_us": t},
+               eager={"median_us": t + 9.0}) for impl, t in (("bsrattn-torch", 17.0), ("flashinfer-cuda-core", 21.0))]
+    return {name: payload(name, recs) for name, recs in zip(GPU_SCRIPTS, (w1, w2, w3, w4, w5, w6, w8))}
 
 
 def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
@@ -278,7 +281,7 @@ def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     assert sorted(p.stem for p in drawn) == sorted(report.ORDER)
     assert all(p.stat().st_size > 5000 for p in drawn)
     text = report.write_summary(tmp_path).read_text()
-    assert text.count("\n## ") == 7 and "Not run yet" not in text
+    assert text.count("\n## ") == 8 and "Not run yet" not in text
     for name in report.ORDER:
         assert f"python3 benchmarks/{name}.py" in text and f"![{name}]({name}.png)" in text
     assert "| seq_len=4096 budget=64 | 4.0 | 7.0 (0.57) | 40.0 (0.10) | n/a | 3.00 |" in text
@@ -289,6 +292,7 @@ def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     assert "14.00x | 13.25x | 1.25x |" in text  # bsrattn and FlashInfer plain/cascade, FlashInfer / bsrattn
     assert "skipped" in text and "WRONG" in text and "incorrect on purpose" in text
     assert "4.20 TB/s" in text and "790 TFLOP/s" in text
+    assert "| kind=decode batch=1 kv_len=1024 | 17.0 (26.0) | 21.0 (30.0) |" in text
 
 
 def test_plots_survive_records_without_times(tmp_path):
