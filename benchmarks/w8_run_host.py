@@ -15,7 +15,7 @@ Implementations:
 - ``bsrattn-torch``: ``BatchAttention.run`` on a plan made outside the loop (one ``plan`` per generation step
   serves every layer of a model);
 - ``bsrattn-torch-oneshot``: ``ba.attention``, which plans every call;
-- ``bsrattn-numba``: ``BatchAttention.run`` on the numba tier;
+- ``bsrattn-numba``: ``BatchAttention.run`` on the numba tier, at decode (it takes no bfloat16 device arrays);
 - ``flashinfer-cuda-core``: ``BatchDecodeWithPagedKVCacheWrapper.run``; ``flashinfer-fa2``:
   ``BatchPrefillWithRaggedKVCacheWrapper.run``; each planned outside the loop, as ``bsrattn-torch``.
 
@@ -54,7 +54,9 @@ def build_one_shot(tier, case, variant, scales):
 
 def measure_all(suite, config, case, plan, variant, scales, flashinfer):
     """Every implementation on one case: ``plan`` for ``BatchAttention.plan``, ``flashinfer`` its name and build."""
-    tiers = ("reference",) if suite.dry_run else ("torch", "numba")
+    import torch
+
+    tiers = ("reference",) if suite.dry_run else ("torch", "numba") if case.q.dtype == torch.float16 else ("torch",)
     for tier in tiers:
         suite.measure(config, f"bsrattn-{tier}",
                       harness.bsrattn_build(tier, case.layout, case.q, case.k, case.v, plan=plan, out=case.out,

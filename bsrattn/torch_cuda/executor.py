@@ -25,7 +25,9 @@ num_kv_heads)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for KV
    flagged ones again, dropping hidden values (``DROP_HIDDEN``), and merges again the merges they belong to.
    On finite inputs the second launch reads one flag per item and stops.
 
-No program waits for another, so the grid needs no co-residency. Everything that changes between plans
+Eager calls launch through a :class:`Launch`, which keeps the kernel Triton compiled for each kind of launch and
+hands its launcher the arguments directly; ``torch.compile``'d calls go through the custom op and
+:func:`launch`. No program waits for another, so the grid needs no co-residency. Everything that changes between plans
 is read from device buffers (:mod:`~bsrattn.torch_cuda.plan_buffers`), so a CUDA graph captured around a
 launch replays correctly after the buffers are refilled.
 """
