@@ -219,7 +219,7 @@ print("gathered K tile == reference gather:", np.array_equal(k_tile, expected_ti
 # microkernel over the same queries and KV range.
 
 # %%
-from bsrattn.numba_cuda.executor import shared_bytes
+from bsrattn.numba_cuda.config import shared_bytes
 from bsrattn.reference.microkernel import attend_range
 
 out, lse = runner.run(q32, k32, v32, return_lse=True)

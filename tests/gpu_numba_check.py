@@ -185,15 +185,15 @@ SWEEP = [  # (NUM_THREADS, TILE_KV, MIN_BLOCKS_PER_SM, CTAS_PER_SM); the first i
 
 
 def sweep(cuda, cache: QuestCache):
-    from bsrattn.numba_cuda import launch
+    from bsrattn.numba_cuda import config
 
-    defaults = (launch.NUM_THREADS, launch.TILE_KV, launch.MIN_BLOCKS_PER_SM, launch.CTAS_PER_SM)
+    defaults = (config.NUM_THREADS, config.TILE_KV, config.MIN_BLOCKS_PER_SM, config.CTAS_PER_SM)
     results = []
     for setting in SWEEP:
-        launch.NUM_THREADS, launch.TILE_KV, launch.MIN_BLOCKS_PER_SM, launch.CTAS_PER_SM = setting
+        config.NUM_THREADS, config.TILE_KV, config.MIN_BLOCKS_PER_SM, config.CTAS_PER_SM = setting
         label = "threads {} tile {} min_blocks {} ctas/SM {}".format(*setting)
         results.append(run_w1(cuda, cache, 512, label))
-    launch.NUM_THREADS, launch.TILE_KV, launch.MIN_BLOCKS_PER_SM, launch.CTAS_PER_SM = defaults
+    config.NUM_THREADS, config.TILE_KV, config.MIN_BLOCKS_PER_SM, config.CTAS_PER_SM = defaults
     best = min(results, key=lambda r: r["gpu_us"])
     print(f"best: {best['label']}: {best['gpu_us']:.1f} us, {100 * best['fraction']:.0f}% of copy bandwidth")
 

@@ -43,21 +43,21 @@ def _install_recorder():
     """Replace device allocation with NumPy and launches with a record of (kernel, args)."""
     from numba.cuda import dispatcher
 
-    from bsrattn.numba_cuda import arrays, executor, launch
+    from bsrattn.numba_cuda import arrays, config, launch, runner
 
     # Device functions (array.view, scalar .view) are compiled for the current device's compute
     # capability; with no device, name sm_90 ourselves.
     dispatcher.get_current_device = lambda: SM90
     cuda.to_device = lambda a: np.array(a, copy=True)
     cuda.device_array = lambda shape, dtype: np.zeros(shape, dtype)
-    launch.num_ctas = lambda num_kv_heads: max(1, 132 * launch.CTAS_PER_SM // num_kv_heads)
+    config.num_ctas = lambda num_kv_heads: max(1, 132 * config.CTAS_PER_SM // num_kv_heads)
     recorded = []
 
     def record(kernel, grid, threads, *args):
         recorded.append((kernel, args))
 
     launch.run = record
-    executor.launch.run = record
+    runner.launch.run = record
     arrays.deliver = lambda dev, fmt, like, buffer=None: dev
     return recorded
 

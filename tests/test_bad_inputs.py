@@ -334,7 +334,7 @@ def test_meta_states_are_refused(tier, arg):
 def test_torch_device_checks_say_whose_device_and_why():
     torch = _torch()
     from bsrattn.torch_cuda.config import interpreting
-    from bsrattn.torch_cuda.tensors import check_device, device_of
+    from bsrattn.torch_cuda.arrays import check_device, device_of
 
     with pytest.raises(ValueError, match=r"cannot run on meta \(the device of the inputs\): a meta tensor holds no"):
         device_of(np.zeros(1), torch.empty(1, device="meta"))
@@ -382,7 +382,7 @@ def test_the_interpreter_refuses_bfloat16_attention(interpreter):
     fp8 = [x.to(torch.float8_e4m3fn) for x in (k, v)]
     with pytest.raises(TypeError, match=rf"^q has dtype bfloat16: {why}"):
         ba.attention(bf16[0], *fp8, LAYOUT, backend="torch")
-    from bsrattn.torch_cuda.tensors import to_torch
+    from bsrattn.torch_cuda.arrays import to_torch
 
     with pytest.raises(TypeError, match=rf"^k has dtype bfloat16: {why}"):
         to_torch("k", bf16[1], torch.device("cpu"))

@@ -61,3 +61,33 @@ def test_the_package_has_no_import_cycle():
 def test_each_shared_module_imports_first_in_a_fresh_interpreter(module):
     result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# ---- the tiers' files -------------------------------------------------------------------------------------
+SHARED_TIER_MODULES = {
+    "gather": "the load module",
+    "microkernel": "dense attention over a gathered tile",
+    "merge": "⊕",
+    "executor": "a plan run",
+    "runner": "a plan bound to its spec, and the one-shot call",
+    "config": "plan options and launch parameters",
+    "arrays": "array kinds at the tier's edge",
+}
+"""The modules every tier has, one concept each, so that the tiers read side by side file by file."""
+TIER_ONLY_MODULES = {
+    "reference": {"attention"},
+    "numba_cuda": {"formats", "launch"},
+    "torch_cuda": {"indexing", "ops", "plan_buffers"},
+}
+"""What a tier has beyond them; each says in its docstring's first line what it is for."""
+
+
+@pytest.mark.parametrize("tier", sorted(TIER_ONLY_MODULES))
+def test_every_tier_has_the_same_modules_for_the_same_concepts(tier):
+    files = {p.stem: p for p in (PACKAGE / tier).glob("*.py") if p.stem != "__init__"}
+    missing = set(SHARED_TIER_MODULES) - set(files)
+    assert not missing, f"{tier} lacks {sorted(missing)}: {[SHARED_TIER_MODULES[m] for m in sorted(missing)]}"
+    assert set(files) - set(SHARED_TIER_MODULES) == TIER_ONLY_MODULES[tier]
+    for name in TIER_ONLY_MODULES[tier]:
+        doc = ast.get_docstring(ast.parse(files[name].read_text()))
+        assert doc and doc.splitlines()[0].strip(), f"{tier}/{name}.py must say in its first line what it is for"

@@ -26,7 +26,7 @@ pytest.importorskip("numba.cuda", reason="the numba tier needs numba-cuda")
 import numba
 from numba import cuda
 
-from bsrattn.numba_cuda import executor, formats, gather, launch, make_runner, plan_options
+from bsrattn.numba_cuda import config, formats, gather, launch, make_runner, plan_options
 from bsrattn.validation import make_spec
 
 D = 8
@@ -265,8 +265,8 @@ def test_batch_attention_replans_in_place():
 def test_plan_options():
     spec = make_spec(ba.layouts.paged(**PAGED), 8, 2, D)
     options = plan_options(spec)
-    assert options["tile_q"] == executor.query_tile_rows(4)
-    assert options["kv_align"] == launch.KV_ALIGN and options["num_ctas"] >= 1
+    assert options["tile_q"] == config.query_tile_rows(4)
+    assert options["kv_align"] == config.KV_ALIGN and options["num_ctas"] >= 1
 
 
 # ---- cascade and masked rows ---------------------------------------------------------------------------------
@@ -403,7 +403,7 @@ def test_unsupported_inputs_raise_clear_errors():
         # a strided slice (on a GPU, numba's .T copies into a new contiguous array)
         arrays.device_array(cuda.to_device(np.zeros((4, 8), np.float32))[:, ::2], "k")
     with pytest.raises(ValueError, match="head_dim=65536"):
-        executor.choose_tiles(1 << 16, 1, 4, 8, 4, 1)
+        config.choose_tiles(1 << 16, 1, 4, 8, 4, 1)
     # The tier's own checks, called directly: ba.merge_states refuses these states before any tier.
     numba_tier = ba.get_backend("numba")
     with pytest.raises(TypeError, match="does not support dtype int16"):

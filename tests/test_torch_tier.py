@@ -19,7 +19,7 @@ import torch
 import bsrattn as ba
 from bsrattn.testing import assert_close
 from bsrattn.torch_cuda import config as tcfg
-from bsrattn.torch_cuda.tensors import check_device, to_numpy
+from bsrattn.torch_cuda.arrays import check_device, to_numpy
 from helpers import check_attention, naive_merge, raw_tensors, rounded
 from strategies import Problem, named_case
 
@@ -198,7 +198,7 @@ def test_numpy_inputs_come_back_as_numpy():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
 def test_numpy_dtypes_cross_bit_for_bit(dtype):
-    from bsrattn.torch_cuda.tensors import to_torch
+    from bsrattn.torch_cuda.arrays import to_torch
 
     x = np.random.default_rng(15).standard_normal((3, 5)).astype(getattr(ml_dtypes, dtype))
     t = to_torch("x", x, torch.device(DEVICE))

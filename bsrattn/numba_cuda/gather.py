@@ -86,7 +86,7 @@ def rows_view(x, head_dim: int, word: np.dtype):
 
 def make_gather(cfg):
     """Device functions ``resolve_rows``, ``load_rows`` and ``store_rows`` for one kernel configuration (see
-    ``executor.Config``)."""
+    ``config.Config``)."""
     tile_kv, threads = cfg.tile_kv, cfg.num_threads
     row_words, tile_words, words_per_thread = cfg.row_words, cfg.tile_kv * cfg.row_words, cfg.words_per_thread
     dense, hnd = cfg.dense, cfg.kv_hnd

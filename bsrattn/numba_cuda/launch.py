@@ -1,13 +1,5 @@
-"""Launch geometry: the tier's named tile sizes, on a GPU and under the CUDA simulator.
-
-On a GPU the sizes are chosen for bandwidth (the Quest decode workload, W1 of ``docs/benchmarks.md``): 4 warps per
-block, 64 keys gathered per step (with fp16 and head_dim 128 the K and V tiles are 33 KB of shared memory),
-the next tile's loads in flight while a tile is computed, and a plan balanced over the blocks that are
-resident at once. ``tests/gpu_numba_check.py --sweep`` times the alternatives.
-
-The simulator runs every CUDA thread as a Python thread and pays milliseconds per barrier, so there the
-same kernels run with 8 threads a block, 16-key tiles and 4 CTAs per KV head: small enough to be quick,
-enough to exercise multi-tile rows, query sub-tiles, split KV and threads that own several elements.
+"""Compiling and launching kernels, on a GPU or under the CUDA simulator: the decorators every kernel file
+uses, and the launch, with what the simulator needs to run this tier's kernels correctly and fast enough.
 """
 
 from __future__ import annotations
@@ -20,43 +12,6 @@ from numba import cuda
 from numba.cuda.core import config
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
-
-if SIMULATOR:
-    NUM_THREADS = 8       # threads per block of the attention kernel
-    TILE_KV = 16          # keys gathered into shared memory per step (an upper bound, see executor.choose_tiles)
-    MAX_QUERIES = 4       # (query row, head) pairs a block holds at once: tile_q = MAX_QUERIES // group_size
-    KV_ALIGN = 4          # split-KV chunks are multiples of this many keys
-    MERGE_THREADS = 32    # threads per block of the merge kernels
-else:
-    NUM_THREADS = 128
-    TILE_KV = 64
-    MAX_QUERIES = 16
-    KV_ALIGN = 16         # one page of 16: Quest/paged chunks then start on page boundaries
-    MERGE_THREADS = 128
-CTAS_PER_SM = 2           # resident attention blocks per SM that the plan is balanced over (GPU): the
-                          # fp16 head_dim-128 decode kernel takes ~250 registers a thread, so 2 blocks fit
-MIN_BLOCKS_PER_SM = 0     # launch bound asking the compiler to fit this many blocks per SM (0: its choice)
-SIMULATED_CTAS = 4        # CTAs per KV head in the simulator
-SHARED_MEMORY_LIMIT = 48 * 1024  # static shared memory one block may declare
-
-
-def num_ctas(num_kv_heads: int) -> int:
-    """CTAs per KV head: one wave of ``CTAS_PER_SM`` blocks on every SM, shared among the KV heads."""
-    if SIMULATOR:
-        return SIMULATED_CTAS
-    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    return max(1, sms * CTAS_PER_SM // num_kv_heads)
-
-
-def blocks_for(n: int, threads: int = MERGE_THREADS) -> int:
-    """Blocks of ``threads`` covering ``n`` elements (at least one).
-
-    Examples
-    --------
-    >>> blocks_for(1000, 128), blocks_for(0, 128)
-    (8, 1)
-    """
-    return max(1, -(-n // threads))
 
 
 def kernel(fn, threads: int, min_blocks: int = 0):

@@ -21,7 +21,8 @@ from numba import cuda
 
 from bsrattn.numba_cuda import arrays, launch
 from bsrattn.numba_cuda.formats import OUTPUT_FORMATS, compute_format, decoder, encoder, format_of, numpy_dtype
-from bsrattn.numba_cuda.launch import MERGE_THREADS, blocks_for, device
+from bsrattn.numba_cuda.config import MERGE_THREADS, blocks_for
+from bsrattn.numba_cuda.launch import device
 
 
 def make_merge_pair(compute):

@@ -39,7 +39,7 @@ mask_offset = device(indexing.mask_offset)
 
 
 def make_microkernel(cfg):
-    """The microkernel's device functions for one kernel configuration (see ``executor.Config``)."""
+    """The microkernel's device functions for one kernel configuration (see ``config.Config``)."""
     compute, threads, tile_kv, head_dim, group = cfg.compute, cfg.num_threads, cfg.tile_kv, cfg.head_dim, cfg.group
     acc_per_thread = cfg.acc_per_thread
     causal, soft_cap, alibi, sigmoid, custom_mask = (cfg.causal, cfg.soft_cap, cfg.alibi, cfg.sigmoid,

@@ -4,7 +4,7 @@ Files match the reference's: :mod:`.gather` (the load module: KV tiles gathered 
 or loaded affinely), :mod:`.microkernel` (the online-softmax core on ``tl.dot``), :mod:`.merge` (⊕ and its
 kernels), :mod:`.executor` (one persistent kernel per plan, the merge folded in), plus :mod:`.config`
 (tiles, ``plan_options``), :mod:`.plan_buffers` (device buffers refilled in place), :mod:`.runner`
-(plan/run), :mod:`.ops` (``torch.library`` custom ops) and :mod:`.tensors` (NumPy in, NumPy out).
+(plan/run), :mod:`.ops` (``torch.library`` custom ops) and :mod:`.arrays` (NumPy in, NumPy out).
 
 Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
 
@@ -27,7 +27,7 @@ import torch
 from bsrattn.torch_cuda import ops
 from bsrattn.torch_cuda.config import plan_options
 from bsrattn.torch_cuda.runner import Runner, attention, make_runner
-from bsrattn.torch_cuda.tensors import device_of, to_numpy, to_torch
+from bsrattn.torch_cuda.arrays import device_of, to_numpy, to_torch
 
 __all__ = ["attention", "merge_state", "merge_states", "add_states", "plan_options", "make_runner", "Runner"]
 

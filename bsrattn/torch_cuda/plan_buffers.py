@@ -37,7 +37,7 @@ import torch
 
 from bsrattn.compiled import Compiled
 from bsrattn.torch_cuda.config import next_pow2
-from bsrattn.torch_cuda.tensors import canonical_device
+from bsrattn.torch_cuda.arrays import canonical_device
 
 SECTIONS = ("cta_indptr", "items", "merge_partials", "alibi", "kv_indices")
 ITEM_FIELDS = (

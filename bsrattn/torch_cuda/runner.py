@@ -25,7 +25,7 @@ from bsrattn import scheduler
 from bsrattn.torch_cuda import config as cfg
 from bsrattn.torch_cuda import executor
 from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
-from bsrattn.torch_cuda.tensors import SUPPORTED, TORCH_DTYPES, canonical_device, check_device, check_interpretable, \
+from bsrattn.torch_cuda.arrays import SUPPORTED, TORCH_DTYPES, canonical_device, check_device, check_interpretable, \
     default_device, device_of, to_numpy, to_torch, write_back
 from bsrattn.validation import dtype_name
 
