@@ -21,7 +21,8 @@ from numpy.typing import ArrayLike
 
 from bsrattn import indexing
 
-_INT32_MIN, _INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+"""The int32 range: ids, lengths and offsets that every tier indexes with int32 must fit it."""
 
 
 class _Variant(Protocol):
@@ -104,7 +105,7 @@ def as_index_array(name: str, values: ArrayLike) -> np.ndarray:
     if arr.dtype.kind not in "iu" and arr.size:
         if arr.dtype.kind == "O" and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in arr.flat):
             # Python ints too large for any NumPy integer type: NumPy keeps them as objects.
-            _out_of_int32(name, arr, [not _INT32_MIN <= x <= _INT32_MAX for x in arr.flat])
+            _out_of_int32(name, arr, [not INT32_MIN <= x <= INT32_MAX for x in arr.flat])
         flat = arr.reshape(-1)
         at = 0  # the first offending entry
         if arr.dtype.kind == "O":
@@ -115,14 +116,14 @@ def as_index_array(name: str, values: ArrayLike) -> np.ndarray:
         integral = arr.dtype.kind == "f" and float(value).is_integer()
         raise TypeError(f"{name} must hold integers, got {value!r}"
                         + (" (floats are refused, even integral ones)" if integral else ""))
-    if arr.size and (arr.min() < _INT32_MIN or arr.max() > _INT32_MAX):
-        _out_of_int32(name, arr, (arr < _INT32_MIN) | (arr > _INT32_MAX))
+    if arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
+        _out_of_int32(name, arr, (arr < INT32_MIN) | (arr > INT32_MAX))
     return arr if arr.dtype.kind in "iu" else arr.astype(np.int64)  # an empty sequence is float64 to NumPy
 
 
 def _out_of_int32(name, arr, outside):
     at = np.unravel_index(int(np.argmax(np.reshape(outside, -1))), arr.shape)
-    raise ValueError(f"{name} must fit in int32 ({_INT32_MIN}..{_INT32_MAX}), got {name}[{', '.join(map(str, at))}]="
+    raise ValueError(f"{name} must fit in int32 ({INT32_MIN}..{INT32_MAX}), got {name}[{', '.join(map(str, at))}]="
                      f"{arr[at]}")
 
 
@@ -221,9 +222,9 @@ class BSRLayout:
         set_ = object.__setattr__
         set_(self, "block_size", as_int("block_size", self.block_size, minimum=1))
         set_(self, "num_blocks", as_int("num_blocks", self.num_blocks, minimum=0))
-        if self.num_blocks * self.block_size > _INT32_MAX:
+        if self.num_blocks * self.block_size > INT32_MAX:
             raise ValueError(f"num_blocks={self.num_blocks} x block_size={self.block_size} slots do not fit in int32 "
-                             f"(at most {_INT32_MAX})")
+                             f"(at most {INT32_MAX})")
         for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_len"):
             set_(self, name, _as_int32_field(name, getattr(self, name)))
         num_rows = self.qo_indptr.size - 1
@@ -252,10 +253,10 @@ class BSRLayout:
         # row may list a block many times, and its length must not wrap before it is checked.
         qo_lens = np.diff(self.qo_indptr)
         kv_lens = np.where(has_blocks, (nblocks.astype(np.int64) - 1) * self.block_size + self.kv_last_len, 0)
-        if kv_lens.size and kv_lens.max() > _INT32_MAX:
-            r = int(np.argmax(kv_lens > _INT32_MAX))
+        if kv_lens.size and kv_lens.max() > INT32_MAX:
+            r = int(np.argmax(kv_lens > INT32_MAX))
             raise ValueError(f"row {r} has kv_len {kv_lens[r]} ({int(nblocks[r])} blocks of block_size="
-                             f"{self.block_size}), more than int32 holds ({_INT32_MAX})")
+                             f"{self.block_size}), more than int32 holds ({INT32_MAX})")
         kv_lens = kv_lens.astype(np.int32)
         for name, lens in (("_qo_lens", qo_lens), ("_kv_lens", kv_lens)):
             lens.flags.writeable = False
@@ -271,8 +272,8 @@ class BSRLayout:
                 raise TypeError(f"custom_mask must be bool, got dtype {mask.dtype}")
             if mask.size != mask_indptr[-1]:
                 raise ValueError(f"custom_mask has {mask.size} elements, expected sum(qo_len*kv_len)={mask_indptr[-1]}")
-            if mask.size > _INT32_MAX:
-                raise ValueError(f"custom_mask has {mask.size} elements, more than int32 indexes ({_INT32_MAX})")
+            if mask.size > INT32_MAX:
+                raise ValueError(f"custom_mask has {mask.size} elements, more than int32 indexes ({INT32_MAX})")
             mask = np.array(mask.reshape(-1), copy=True)
             mask.flags.writeable = False
             set_(self, "custom_mask", mask)

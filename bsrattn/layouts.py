@@ -24,9 +24,7 @@ from numpy.typing import ArrayLike
 
 from bsrattn import indexing
 from bsrattn._types import Array
-from bsrattn.layout import BSRLayout, Cascade, as_index_array, as_int, indptr_of
-
-_INT32_MAX = np.iinfo(np.int32).max
+from bsrattn.layout import INT32_MAX, BSRLayout, Cascade, as_index_array, as_int, indptr_of
 
 __all__ = ["dense", "ragged", "paged", "block_sparse", "vector_sparse", "quest", "tree", "shared_prefix",
            "per_head_views"]
@@ -72,8 +70,8 @@ def _row(name, values):
 def _check_total(name, lengths):
     """Refuse lengths whose sum, the size of an int32-indexed array the layout builds, overflows int32."""
     total = int(lengths.sum())
-    if total > _INT32_MAX:
-        raise ValueError(f"{name} sum to {total}, more than int32 holds ({_INT32_MAX})")
+    if total > INT32_MAX:
+        raise ValueError(f"{name} sum to {total}, more than int32 holds ({INT32_MAX})")
     return total
 
 

@@ -44,6 +44,16 @@ def dtype_name(x) -> str:
 _DTYPE_NAMES = {}  # dtype -> name: every call of a run checks a dozen dtypes
 
 
+def lse_dtype(dtype) -> str:
+    """The dtype of the LSE that goes with states or queries of ``dtype``: float32, float64 for float64.
+
+    >>> import numpy as np
+    >>> lse_dtype("float16"), lse_dtype(np.float64)
+    ('float32', 'float64')
+    """
+    return "float64" if dtype_name(dtype) == "float64" else "float32"
+
+
 def shape_of(x) -> tuple:
     return tuple(int(s) for s in x.shape)
 
@@ -134,7 +144,7 @@ class AttentionSpec:
             raise TypeError(f"out has dtype {dtype_name(out)}, expected q's dtype {dtype_name(q)}")
         if lse is not None and shape_of(lse) != want_q[:2]:
             raise ValueError(f"lse has shape {shape_of(lse)}, expected [nnz_qo, num_qo_heads]={want_q[:2]}")
-        lse_dtypes = ("float32", "float64") if dtype_name(q) == "float64" else ("float32",)
+        lse_dtypes = tuple(dict.fromkeys(("float32", lse_dtype(q))))  # float64 q: either
         if lse is not None and dtype_name(lse) not in lse_dtypes:
             raise TypeError(f"lse has dtype {dtype_name(lse)}, expected one of {lse_dtypes} (natural-log LSE "
                             f"is float32, float64 for a float64 q)")

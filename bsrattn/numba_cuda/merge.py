@@ -23,6 +23,7 @@ from bsrattn.numba_cuda import arrays, launch
 from bsrattn.numba_cuda.formats import OUTPUT_FORMATS, compute_format, decoder, encoder, format_of, numpy_dtype
 from bsrattn.numba_cuda.config import MERGE_THREADS, blocks_for
 from bsrattn.numba_cuda.launch import device
+from bsrattn.validation import lse_dtype
 
 
 def make_merge_pair(compute):
@@ -152,10 +153,6 @@ def _promoted(*xs) -> str:
     return fmt
 
 
-def _lse_format(compute_name: str) -> str:
-    return "float64" if compute_name == "float64" else "float32"
-
-
 def merge_state(o_a, lse_a, o_b, lse_b):
     """``(o_a, lse_a) ⊕ (o_b, lse_b)`` for ``o [..., H, D]``, ``lse [..., H]``; see :func:`bsrattn.merge_state`."""
     fmts = tuple(format_of(x) for x in (o_a, lse_a, o_b, lse_b))
@@ -163,14 +160,14 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     shape = tuple(int(s) for s in o_a.shape)
     rows, head_dim = int(np.prod(shape[:-1])), shape[-1]
     dev = [arrays.device_array(x, name) for x, name in zip((o_a, lse_a, o_b, lse_b), ("o_a", "lse_a", "o_b", "lse_b"))]
-    o_dev, lse_dev = arrays.empty((rows, head_dim), fmt_out), arrays.empty((rows,), _lse_format(compute))
+    o_dev, lse_dev = arrays.empty((rows, head_dim), fmt_out), arrays.empty((rows,), lse_dtype(compute))
     if rows * head_dim:
         kernel = merge_state_kernel(*fmts, fmt_out, compute)
         launch.run(kernel, blocks_for(rows * head_dim), MERGE_THREADS,
             dev[0].reshape(rows, head_dim), dev[1].reshape(rows), dev[2].reshape(rows, head_dim), dev[3].reshape(rows),
             o_dev, lse_dev)
     return (arrays.deliver(o_dev.reshape(*shape), fmt_out, o_a),
-            arrays.deliver(lse_dev.reshape(*shape[:-1]), _lse_format(compute), o_a))
+            arrays.deliver(lse_dev.reshape(*shape[:-1]), lse_dtype(compute), o_a))
 
 
 def merge_states(o, lse):
@@ -179,11 +176,11 @@ def merge_states(o, lse):
     fmt_out, compute = _promoted(o), compute_format(fmt_o, fmt_lse)
     n, _, heads, head_dim = (int(s) for s in o.shape)
     o_dev, lse_dev = arrays.device_array(o, "o"), arrays.device_array(lse, "lse")
-    out, out_lse = arrays.empty((n, heads, head_dim), fmt_out), arrays.empty((n, heads), _lse_format(compute))
+    out, out_lse = arrays.empty((n, heads, head_dim), fmt_out), arrays.empty((n, heads), lse_dtype(compute))
     if n * heads * head_dim:
         kernel = merge_states_kernel(fmt_o, fmt_lse, fmt_out, compute)
         launch.run(kernel, blocks_for(n * heads * head_dim), MERGE_THREADS, o_dev, lse_dev, out, out_lse)
-    return arrays.deliver(out, fmt_out, o), arrays.deliver(out_lse, _lse_format(compute), o)
+    return arrays.deliver(out, fmt_out, o), arrays.deliver(out_lse, lse_dtype(compute), o)
 
 
 def add_states(o_a, o_b):

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from bsrattn.state import write_into
-from bsrattn.validation import dtype_name
+from bsrattn.validation import dtype_name, lse_dtype
 
 # Dtypes NumPy has only through ml_dtypes cross between torch and NumPy as integers of the same width.
 _BITS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
@@ -51,12 +51,11 @@ def to_torch(result, like, dtype=None):
 def deliver(o, s, q, out, lse, return_lse, sigmoid):
     """The float64 state in ``q``'s dtype and kind (``lse`` float32, float64 for a float64 ``q``), written into
     ``out``/``lse`` where given."""
-    wide = dtype_name(q) == "float64"
     if is_torch(q):
         o = to_torch(o, q, q.dtype)
-        s = None if sigmoid else to_torch(s.astype(np.float64 if wide else np.float32), q)
+        s = None if sigmoid else to_torch(s.astype(lse_dtype(q)), q)
     else:
         o = o.astype(np.asarray(q).dtype)
-        s = None if sigmoid else s.astype(np.float64 if wide else np.float32)
+        s = None if sigmoid else s.astype(lse_dtype(q))
     o, s = write_into(o, s, out, lse)
     return o, (s if return_lse or lse is not None else None)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from bsrattn.validation import lse_dtype
+
 
 def _compute_dtype(*arrays):
     return np.result_type(*(a.dtype for a in arrays), np.float32)
@@ -47,8 +49,7 @@ def merge_state(o_a, lse_a, o_b, lse_b):
         o = (ta + tb) / np.where(total == 0, dt.type(1), total)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = m_safe + np.log(total)
-    lse_dtype = np.float64 if dt == np.float64 else np.float32
-    return o.astype(np.result_type(o_a.dtype, o_b.dtype)), lse.astype(lse_dtype)
+    return o.astype(np.result_type(o_a.dtype, o_b.dtype)), lse.astype(lse_dtype(dt))
 
 
 def merge_states(o, lse):

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from bsrattn.compiled import Compiled
+from bsrattn.layout import INT32_MAX
 from bsrattn.torch_cuda.config import next_pow2
 from bsrattn.torch_cuda.arrays import canonical_device
 
@@ -59,7 +60,6 @@ ITEM_STRIDE = 16
 WORKSPACE_HEADROOM_BYTES = 64 * 2**20
 """Largest partial-state workspace sized for the worst case of a batch rather than for its first plan."""
 _ALIGN = 16  # int32 elements: 64 bytes, so every section pointer keeps Triton's 16-byte alignment
-_INT32_MAX = np.iinfo(np.int32).max
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,7 @@ class PlanBuffers:
             mask_indptr = np.zeros(layout.num_rows + 1, dtype=np.int64)
         else:
             mask_indptr = layout.mask_indptr
-            if mask_indptr[-1] > _INT32_MAX:
+            if mask_indptr[-1] > INT32_MAX:
                 raise ValueError(f"custom_mask has {mask_indptr[-1]} elements; the torch tier indexes it with "
                                  f"int32")
         if self._copied is not None:
