@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
-from bsrattn.indexing import ceil_div  # noqa: E402
+from bsrattn.testing import scattered_page_tables  # noqa: E402
 from benchmarks import baselines, correctness, harness  # noqa: E402
 
 WORKLOAD = "w2_paged_decode"
@@ -129,17 +129,15 @@ def make_case(suite, shape: Shape, kv_dtype: str, kv_lens) -> Case:
     import torch
 
     kv_lens = np.asarray(kv_lens, dtype=np.int64)
-    n_pages = ceil_div(kv_lens, shape.page_size)
-    perm = suite.rng.permutation(int(n_pages.sum()))
-    tables = np.split(perm, np.cumsum(n_pages)[:-1])
+    tables, num_pages = scattered_page_tables(suite.rng, kv_lens, shape.page_size)
     q_dtype = "float16" if kv_dtype.startswith("float8") else kv_dtype
     qt = getattr(torch, q_dtype)
     dev = suite.device
     q = torch.randn(kv_lens.size, shape.num_qo_heads, shape.head_dim, dtype=qt, device=dev)
-    pool = (perm.size, shape.page_size, shape.num_kv_heads, shape.head_dim)
+    pool = (num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim)
     k = torch.randn(pool, dtype=qt, device=dev).to(getattr(torch, kv_dtype))
     v = torch.randn(pool, dtype=qt, device=dev).to(getattr(torch, kv_dtype))
-    layout = ba.layouts.paged(np.ones_like(kv_lens), tables, kv_lens, shape.page_size, perm.size)
+    layout = ba.layouts.paged(np.ones_like(kv_lens), tables, kv_lens, shape.page_size, num_pages)
     scales = dict(k_scale=K_SCALE, v_scale=V_SCALE) if kv_dtype.startswith("float8") else {}
     rows = correctness.sample_rows(layout, shape.num_kv_heads, shape.head_dim)
     expected = correctness.reference_rows(layout, q, k, v, rows, **scales)

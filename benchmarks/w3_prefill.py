@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
-from bsrattn.indexing import ceil_div  # noqa: E402
+from bsrattn.testing import scattered_page_tables  # noqa: E402
 from benchmarks import baselines, correctness, harness  # noqa: E402
 
 WORKLOAD = "w3_prefill"
@@ -128,10 +128,9 @@ def make_case(suite, shape: Shape, lens, kv_layout: str) -> Case:
         layout = ba.layouts.ragged(lens, lens)
         k, v = k_ragged, v_ragged
     else:
-        n_pages = ceil_div(lens, shape.page_size)
-        perm = suite.rng.permutation(int(n_pages.sum()))
-        layout = ba.layouts.paged(lens, np.split(perm, np.cumsum(n_pages)[:-1]), lens, shape.page_size, perm.size)
-        pool = (perm.size, shape.page_size, shape.num_kv_heads, shape.head_dim)
+        tables, num_pages = scattered_page_tables(suite.rng, lens, shape.page_size)
+        layout = ba.layouts.paged(lens, tables, lens, shape.page_size, num_pages)
+        pool = (num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim)
         k, v = torch.randn(pool, **kw), torch.randn(pool, **kw)
         slots = torch.as_tensor(np.concatenate([layout.kv_slots(r) for r in range(layout.num_rows)]),
                                 device=suite.device)

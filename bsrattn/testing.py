@@ -48,6 +48,9 @@ dtype, checked elementwise as ``|a - e| <= atol + rtol * |e|``:
 | merge | float16 / bfloat16 | 2e-3 / 1.6e-2 | same | the merged output is rounded to its dtype |
 
 Both report the worst error, where it is, and NaN / ±inf disagreements separately.
+
+**Inputs**: :func:`scattered_page_tables`, page tables scattered over one pool as an allocator leaves them, for
+the tests and the benchmarks.
 """
 
 from __future__ import annotations
@@ -478,3 +481,38 @@ def assert_within_budget(actual: Array, expected: Array, naive: Array, op: str, 
     if not result.ok:
         raise AssertionError(result.message)
     return result
+
+
+def scattered_page_tables(rng: np.random.Generator, kv_lens: ArrayLike, page_size: int,
+                          spare_pages: int = 0) -> tuple[list, int]:
+    """Page tables for ``kv_lens`` whose pages are scattered over one pool, as a serving engine's allocator
+    leaves them: a random permutation of ``sum(ceil(kv_len / page_size)) + spare_pages`` pages, cut into one
+    table per request, the spare pages left unused.
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator
+        Where the permutation comes from.
+    kv_lens : array-like of int, ``[B]``
+        Each request's KV length.
+    page_size : int
+        Slots per page.
+    spare_pages : int
+        Pool pages no request holds.
+
+    Returns
+    -------
+    (tables, num_pages)
+        ``tables[b]`` the int64 pages of request ``b``, in order; ``num_pages`` the pool's size. Pass both to
+        :func:`bsrattn.layouts.paged`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> tables, num_pages = scattered_page_tables(np.random.default_rng(0), [20, 5], page_size=16, spare_pages=1)
+    >>> [len(t) for t in tables], num_pages, len(set(np.concatenate(tables).tolist()))
+    ([2, 1], 4, 3)
+    """
+    need = [-(-int(n) // int(page_size)) for n in np.asarray(kv_lens).reshape(-1)]
+    pool = rng.permutation(sum(need) + int(spare_pages))
+    return np.split(pool[:sum(need)], np.cumsum(need)[:-1]), int(pool.size)

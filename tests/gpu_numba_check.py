@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bsrattn as ba
-from bsrattn.testing import assert_close
+from bsrattn.testing import assert_close, scattered_page_tables
 
 COPY_BANDWIDTH = 4.16e12  # bytes/s, read + written, measured on the H200 (docs/benchmarks.md)
 HEADS, HEAD_DIM, PAGE, SEQ_LEN = 32, 128, 16, 32768
@@ -204,12 +204,10 @@ def memcheck(cuda):
     """One representative paged call (GQA 32/8, splits, merges) and one Quest call, each checked."""
     rng = np.random.default_rng(1)
     kv_lens = np.array([1, 63, 64, 65, 700, 1500])
-    pages = [-(-int(n) // PAGE) for n in kv_lens]
-    pool = rng.permutation(sum(pages) + 4)
-    tables = np.split(pool[:sum(pages)], np.cumsum(pages)[:-1])
-    layout = ba.layouts.paged([1, 1, 2, 1, 3, 1], tables, kv_lens, PAGE, pool.size)
+    tables, num_pages = scattered_page_tables(rng, kv_lens, PAGE, spare_pages=4)
+    layout = ba.layouts.paged([1, 1, 2, 1, 3, 1], tables, kv_lens, PAGE, num_pages)
     q = rng.standard_normal((layout.nnz_qo, 32, HEAD_DIM)).astype(np.float16)
-    k, v = (rng.standard_normal((pool.size, PAGE, 8, HEAD_DIM)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((num_pages, PAGE, 8, HEAD_DIM)).astype(np.float16) for _ in range(2))
     variant = ba.Variant(causal=True)
     got_o, got_lse = ba.attention(q, k, v, layout, variant=variant, backend="numba", return_lse=True)
     want_o, want_lse = ba.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), layout,

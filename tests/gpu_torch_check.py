@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
-from bsrattn.testing import assert_close  # noqa: E402
+from bsrattn.testing import assert_close, scattered_page_tables  # noqa: E402
 
 COPY_BANDWIDTH = 4.16e12  # bytes/s, the H200's measured device-to-device copy rate
 HEADS, HEAD_DIM, PAGE = 32, 128, 16
@@ -50,11 +50,10 @@ def memcheck():
     rng = np.random.default_rng(0)
     hq, hkv = 32, 8
     kv_lens = [1900, 37, 800, 1200]
-    need = [-(-n // PAGE) for n in kv_lens]
-    perm = rng.permutation(sum(need) + 5)
-    layout = ba.layouts.paged([1] * 4, np.split(perm[:sum(need)], np.cumsum(need)[:-1]), kv_lens, PAGE, perm.size)
+    tables, num_pages = scattered_page_tables(rng, kv_lens, PAGE, spare_pages=5)
+    layout = ba.layouts.paged([1] * 4, tables, kv_lens, PAGE, num_pages)
     q = torch.randn(4, hq, HEAD_DIM, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(perm.size, PAGE, hkv, HEAD_DIM, device="cuda", dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn(num_pages, PAGE, hkv, HEAD_DIM, device="cuda", dtype=torch.float16) for _ in range(2))
     attn = ba.BatchAttention(backend="torch")
     attn.plan(layout, hq, hkv, HEAD_DIM, q_dtype="float16", kv_dtype="float16")
     out, lse = attn.run(q, k, v, return_lse=True)

@@ -16,6 +16,7 @@ if str(ROOT) not in sys.path:
 
 import bsrattn as ba  # noqa: E402
 from bsrattn.indexing import ceil_div  # noqa: E402
+from bsrattn.testing import scattered_page_tables  # noqa: E402
 from benchmarks import ceilings, correctness, harness, plots, records, report, run_all, timing  # noqa: E402
 from benchmarks import w7_cpu_models  # noqa: E402
 
@@ -72,9 +73,7 @@ def test_expected_ratio_edge_cases():
 def _paged_problem(rng, kv_layout="NHD"):
     """Three requests, GQA 4/2, partial last pages, several queries per request (for causal rows)."""
     kv_lens, qo_lens, page, pool = np.array([37, 5, 20]), np.array([3, 1, 4]), 8, 12
-    perm = rng.permutation(pool)
-    n = ceil_div(kv_lens, page)
-    tables = np.split(perm[: n.sum()], np.cumsum(n)[:-1])
+    tables, _ = scattered_page_tables(rng, kv_lens, page, spare_pages=pool - int(ceil_div(kv_lens, page).sum()))
     layout = ba.layouts.paged(qo_lens, tables, kv_lens, page, pool)
     q = rng.standard_normal((qo_lens.sum(), 4, 8))
     shape = (pool, page, 2, 8) if kv_layout == "NHD" else (pool, 2, page, 8)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import bsrattn as ba
-from bsrattn.testing import assert_close
+from bsrattn.testing import assert_close, scattered_page_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -34,12 +34,10 @@ def cuda():
 def _paged(rng, kv_lens, qo_lens=None, hq=HQ, hkv=HKV, d=D, dtype=np.float16):
     kv_lens = np.asarray(kv_lens)
     qo_lens = np.ones_like(kv_lens) if qo_lens is None else np.asarray(qo_lens)
-    pages = [-(-int(n) // PAGE) for n in kv_lens]
-    pool = rng.permutation(sum(pages) + 8)
-    tables = np.split(pool[:sum(pages)], np.cumsum(pages)[:-1])
-    layout = ba.layouts.paged(qo_lens, tables, kv_lens, PAGE, pool.size)
+    tables, num_pages = scattered_page_tables(rng, kv_lens, PAGE, spare_pages=8)
+    layout = ba.layouts.paged(qo_lens, tables, kv_lens, PAGE, num_pages)
     q = rng.standard_normal((layout.nnz_qo, hq, d)).astype(dtype)
-    k, v = (rng.standard_normal((pool.size, PAGE, hkv, d)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((num_pages, PAGE, hkv, d)).astype(dtype) for _ in range(2))
     return layout, q, k, v
 
 

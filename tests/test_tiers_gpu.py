@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import bsrattn as ba
-from bsrattn.testing import assert_close
+from bsrattn.testing import assert_close, scattered_page_tables
 from test_tiers import NUMPY_DTYPES, load_tier
 
 pytestmark = pytest.mark.gpu
@@ -52,13 +52,7 @@ def _rng(seed):
 
 def _pages(rng, kv_lens, extra=8):
     """Shuffled page tables over one pool for ``kv_lens``; returns ``(tables, num_pages)``."""
-    need = [-(-int(n) // PAGE) for n in kv_lens]
-    pool = rng.permutation(sum(need) + extra)
-    tables, at = [], 0
-    for n in need:
-        tables.append(pool[at:at + n])
-        at += n
-    return tables, int(pool.size)
+    return scattered_page_tables(rng, kv_lens, PAGE, spare_pages=extra)
 
 
 def _kv(rng, num_blocks, block_size, hkv=HKV, d=D):

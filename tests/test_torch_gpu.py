@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import bsrattn as ba
-from bsrattn.testing import assert_close
+from bsrattn.testing import assert_close, scattered_page_tables
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -27,10 +27,8 @@ FP8 = [(q, kv) for q in ("float16", "bfloat16") for kv in ("float8_e4m3fn", "flo
 
 
 def _paged(rng, qo_lens, kv_lens, extra=16):
-    need = [-(-int(n) // PAGE) for n in kv_lens]
-    perm = rng.permutation(sum(need) + extra)
-    tables = np.split(perm[:sum(need)], np.cumsum(need)[:-1])
-    return ba.layouts.paged(list(qo_lens), tables, list(kv_lens), PAGE, int(perm.size))
+    tables, num_pages = scattered_page_tables(rng, kv_lens, PAGE, spare_pages=extra)
+    return ba.layouts.paged(list(qo_lens), tables, list(kv_lens), PAGE, num_pages)
 
 
 def _inputs(rng, layout, q_dtype, kv_dtype, hq=HQ, hkv=HKV, d=D, kv_shape=None):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import bsrattn as ba
-from bsrattn.testing import assert_close
+from bsrattn.testing import assert_close, scattered_page_tables
 from bsrattn.torch_cuda import config as tcfg
 from bsrattn.torch_cuda.arrays import check_device, to_numpy
 from helpers import check_attention, naive_merge, raw_tensors, rounded
@@ -62,11 +62,9 @@ def _batch(problem, dtype=torch.float32, **plan_kwargs):
 
 def paged_raw(rng, qo_lens=(3, 1, 2), kv_lens=(45, 12, 70), page=8, extra=3):
     """``ba.layouts.paged``'s arguments: shuffled page tables over one pool with ``extra`` unused pages."""
-    need = [-(-n // page) for n in kv_lens]
-    perm = rng.permutation(sum(need) + extra)
-    tables = [t.tolist() for t in np.split(perm[:sum(need)], np.cumsum(need)[:-1])]
-    return dict(qo_lens=list(qo_lens), page_tables=tables, kv_lens=list(kv_lens), page_size=page,
-                num_pages=int(perm.size))
+    tables, num_pages = scattered_page_tables(rng, kv_lens, page, spare_pages=extra)
+    return dict(qo_lens=list(qo_lens), page_tables=[t.tolist() for t in tables], kv_lens=list(kv_lens),
+                page_size=page, num_pages=num_pages)
 
 
 def paged_case(rng, **kwargs):
