@@ -257,7 +257,7 @@ class Launch:
     """:func:`launch` for one plan's buffers and one launch configuration, with Triton's per-call work done once.
 
     ``persistent_attention[grid](...)`` binds its arguments, works out what to specialise the kernel on and
-    looks the kernel up on every call: about 80 µs of host time on the H200 (Triton 3.6), ten times a small
+    looks the kernel up on every call: 54-148 µs of host time on the H200 (Triton 3.6), several times a small
     decode's GPU time. A ``Launch`` reads the arguments its buffers fix (:func:`plan_args`) once. The first
     launch of a new kind goes through Triton, and the compiled kernels it returns are kept for the process
     (:data:`_COMPILED`: a later plan's buffers find them too); a launch of a kind seen before hands their

@@ -206,6 +206,8 @@ def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=No
     is idle (its plan's copy to the device has finished) and large enough: allocating them and binding their
     launch cost more host time than a small decode. Two calls at once never share buffers; under CUDA graph
     capture every call gets buffers of its own, kept by nobody else (a captured graph reads them at replay).
+    The spares stay allocated: at most :data:`SPARES_PER_SHAPE` sets holding :data:`SPARE_WORKSPACE_BYTES` of
+    workspace per (heads, head_dim, device).
     """
     device = canonical_device(device_of(q, k, v, out, lse))
     work_plan = scheduler._plan_valid(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
