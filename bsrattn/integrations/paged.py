@@ -1,0 +1,224 @@
+"""A paged KV cache for a serving loop: one page pool per layer, a page table per request, layouts on demand.
+
+A serving engine stores every request's keys and values in fixed-size pages of one pool, handed out as
+requests grow and taken back when they leave, so a request's pages end up anywhere in the pool. In bsrattn's
+terms that pool is a KV storage of ``num_pages`` blocks of ``page_size`` slots (NHD: ``[num_pages, page_size,
+num_kv_heads, head_dim]`` per layer), and a step's requests are one BSR layout over it: ``Bc = page_size``, the
+page tables its block indices (:func:`bsrattn.layouts.paged`). A prefix every request shares, a system prompt,
+is stored once, in pages of its own, and a step over requests that all continue it is a two-level
+:class:`~bsrattn.Cascade` (:func:`bsrattn.layouts.shared_prefix`): the prefix's pages are read once for all
+of them.
+
+The cache only keeps the books (which pages, how many tokens) and the tensors; the model writes the new
+tokens' keys and values into it (:meth:`PagedKVCache.write`) at the slots :meth:`PagedKVCache.extend` gives
+out, and attends with :class:`~bsrattn.BatchAttention` over :meth:`PagedKVCache.layout`. ``examples/
+paged_generation.py`` drives a transformers model this way. Needs torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+try:
+    import torch
+except ImportError as err:
+    raise ImportError("bsrattn.integrations.paged needs torch: pip install 'bsrattn[torch]'") from err
+
+from bsrattn import layouts
+from bsrattn.layout import BSRLayout, Cascade, as_int
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache:
+    """Pages of keys and values for every layer, and the page table and length of every request.
+
+    Parameters
+    ----------
+    num_layers, num_pages, page_size, num_kv_heads, head_dim : int
+        The pool: ``k[layer]`` and ``v[layer]`` are ``[num_pages, page_size, num_kv_heads, head_dim]``.
+    dtype : torch.dtype
+        Of the stored keys and values.
+    device : torch.device or str
+        Where the pool lives.
+
+    Examples
+    --------
+    >>> import torch
+    >>> cache = PagedKVCache(num_layers=1, num_pages=4, page_size=2, num_kv_heads=1, head_dim=8)
+    >>> cache.extend("a", 3).tolist(), cache.extend("b", 1).tolist(), cache.extend("a", 1).tolist()
+    ([0, 1, 2], [4], [3])
+    >>> cache.layout(["a", "b"], [1, 1]).kv_lens.tolist()
+    [4, 1]
+    >>> cache.close("a"); cache.free_pages
+    3
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.num_pages = as_int("num_pages", num_pages, minimum=1)
+        self.page_size = as_int("page_size", page_size, minimum=1)
+        shape = (as_int("num_layers", num_layers, minimum=1), self.num_pages, self.page_size,
+                 as_int("num_kv_heads", num_kv_heads, minimum=1), as_int("head_dim", head_dim, minimum=1))
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = list(range(self.num_pages - 1, -1, -1))  # popped from the end: pages 0, 1, 2, ... first
+        self._pages: dict = {}  # request -> its pages, in order
+        self._lengths: dict = {}  # request -> tokens stored
+        self._prefix: dict = {}  # request -> the request whose tokens it continues (shared, stored once)
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no request holds."""
+        return len(self._free)
+
+    def __contains__(self, request: Hashable) -> bool:
+        return request in self._lengths
+
+    def length(self, request: Hashable) -> int:
+        """Tokens of ``request`` in the cache, its shared prefix's included.
+
+        Parameters
+        ----------
+        request : hashable
+            An open request.
+
+        Returns
+        -------
+        int
+        """
+        own = self._lengths[request]
+        prefix = self._prefix.get(request)
+        return own + (0 if prefix is None else self.length(prefix))
+
+    def open(self, request: Hashable, prefix: Hashable | None = None) -> None:
+        """Start ``request``, empty, or continuing the tokens of the request ``prefix`` (stored once, not copied:
+        its pages become the first level of every :meth:`cascade` over its continuations).
+
+        Parameters
+        ----------
+        request : hashable
+            Its name, not yet in the cache.
+        prefix : hashable, optional
+            An open request whose tokens this one continues.
+        """
+        if request in self._lengths:
+            raise ValueError(f"request {request!r} is already in the cache")
+        if prefix is not None and prefix not in self._lengths:
+            raise ValueError(f"prefix {prefix!r} is not in the cache")
+        self._pages[request], self._lengths[request] = [], 0
+        if prefix is not None:
+            self._prefix[request] = prefix
+
+    def extend(self, request: Hashable, num_tokens: int) -> torch.Tensor:
+        """Room for ``num_tokens`` more tokens of ``request`` (opened if new): their pool slots (``page *
+        page_size + offset``), int64, in order.
+
+        Parameters
+        ----------
+        request : hashable
+            The request that grows.
+        num_tokens : int
+            How many tokens it adds.
+
+        Returns
+        -------
+        torch.Tensor, ``[num_tokens]`` int64
+            The new tokens' pool slots.
+
+        Raises
+        ------
+        RuntimeError
+            The pool has too few free pages (nothing is taken then).
+        """
+        num_tokens = as_int("num_tokens", num_tokens, minimum=0)
+        if request not in self._lengths:
+            self.open(request)
+        pages, start = self._pages[request], self._lengths[request]
+        need = -(-(start + num_tokens) // self.page_size) - len(pages)
+        if need > len(self._free):
+            raise RuntimeError(f"request {request!r} needs {need} more pages; the pool has {len(self._free)} free "
+                               f"of {self.num_pages}")
+        pages.extend(self._free.pop() for _ in range(need))
+        self._lengths[request] = start + num_tokens
+        at = torch.arange(start, start + num_tokens)
+        table = torch.as_tensor(pages, dtype=torch.int64)
+        return table[at // self.page_size] * self.page_size + at % self.page_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' keys and values of one layer at their slots.
+
+        Parameters
+        ----------
+        layer : int
+            The layer whose pool is written.
+        slots : torch.Tensor, ``[n]``
+            Pool slots, as :meth:`extend` gave them.
+        k, v : torch.Tensor, ``[n, num_kv_heads, head_dim]``
+            The tokens' keys and values.
+        """
+        heads, dim = self.k.shape[3:]
+        self.k[layer].view(-1, heads, dim)[slots.to(self.k.device)] = k.to(self.k.dtype)
+        self.v[layer].view(-1, heads, dim)[slots.to(self.v.device)] = v.to(self.v.dtype)
+
+    def close(self, request: Hashable) -> None:
+        """Take ``request``'s own pages back; a prefix others continue is kept until they are closed too.
+
+        Parameters
+        ----------
+        request : hashable
+            An open request that no open request continues.
+        """
+        if any(p == request for p in self._prefix.values()):
+            raise ValueError(f"request {request!r} is the shared prefix of open requests; close them first")
+        self._free.extend(reversed(self._pages.pop(request)))
+        del self._lengths[request]
+        self._prefix.pop(request, None)
+
+    def layout(self, requests: Sequence[Hashable], qo_lens: Sequence[int]) -> BSRLayout:
+        """The paged layout of ``requests`` (each with no shared prefix) whose last ``qo_lens`` tokens query.
+
+        Parameters
+        ----------
+        requests : sequence of hashable
+            The step's requests, in the order of its query rows.
+        qo_lens : sequence of int
+            Each one's query rows: its last tokens (a prefill's prompt, a decode's one token).
+
+        Returns
+        -------
+        BSRLayout
+            :func:`bsrattn.layouts.paged` over the requests' page tables and lengths.
+        """
+        for r in requests:
+            if r in self._prefix:
+                raise ValueError(f"request {r!r} continues a shared prefix: use cascade()")
+        return layouts.paged(qo_lens, [self._pages[r] for r in requests], [self._lengths[r] for r in requests],
+                             self.page_size, self.num_pages)
+
+    def cascade(self, prefix: Hashable, requests: Sequence[Hashable], qo_lens: Sequence[int]) -> Cascade:
+        """The two-level layout of ``requests``, all continuing ``prefix``, whose last ``qo_lens`` tokens query:
+        the prefix's pages once for every query, then each request's own pages.
+
+        Parameters
+        ----------
+        prefix : hashable
+            The request they all continue (itself continuing none).
+        requests : sequence of hashable
+            The step's requests, in the order of its query rows.
+        qo_lens : sequence of int
+            Each one's query rows.
+
+        Returns
+        -------
+        Cascade
+            :func:`bsrattn.layouts.shared_prefix`: the prefix level, then the requests' own pages.
+        """
+        for r in requests:
+            if self._prefix.get(r) != prefix:
+                raise ValueError(f"request {r!r} does not continue the prefix {prefix!r}")
+        if prefix in self._prefix:
+            raise ValueError(f"the prefix {prefix!r} continues another prefix; one level of sharing is supported")
+        return layouts.shared_prefix(qo_lens, self._pages[prefix], self._lengths[prefix],
+                                     [self._pages[r] for r in requests], [self._lengths[r] for r in requests],
+                                     self.page_size, self.num_pages)

@@ -1,0 +1,154 @@
+"""The paged KV cache and the serving loop of ``examples/paged_generation.py``, on a tiny random Llama (CPU).
+
+The loop's greedy tokens must be ``model.generate``'s, request by request, with requests joining and leaving
+between steps (prefill and decode rows in one plan) and with a shared system prompt stored once and served as a
+two-level cascade; its logits must be HF's own forward's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import bsrattn as ba  # noqa: E402
+from bsrattn.integrations.paged import PagedKVCache  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import paged_generation  # noqa: E402
+
+VOCAB = 128
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=128, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _prompts(lengths, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]  # no special tokens (0-2)
+
+
+def _generate_each(model, prompts, counts, system=None):
+    """``model.generate``'s greedy tokens for each prompt alone (behind ``system`` when given)."""
+    out = []
+    for prompt, n in zip(prompts, counts):
+        full = prompt if system is None else torch.cat([system, prompt])
+        with torch.no_grad():
+            out.append(model.generate(full[None], max_new_tokens=n, do_sample=False)[0, full.numel():].tolist())
+    return out
+
+
+# ---- the cache ---------------------------------------------------------------------------------------------
+
+def test_pages_are_handed_out_in_order_and_taken_back():
+    cache = PagedKVCache(num_layers=1, num_pages=3, page_size=4, num_kv_heads=1, head_dim=2)
+    assert cache.extend("a", 5).tolist() == [0, 1, 2, 3, 4]  # pages 0 and 1
+    assert cache.extend("b", 2).tolist() == [8, 9]  # page 2
+    with pytest.raises(RuntimeError, match=r"request 'b' needs 1 more pages; the pool has 0 free"):
+        cache.extend("b", 3)
+    assert cache.length("b") == 2, "a refused extension takes nothing"
+    cache.close("a")
+    assert cache.free_pages == 2
+    assert cache.extend("b", 6).tolist() == [10, 11, 0, 1, 2, 3]  # the rest of page 2, then a's first page
+    lay = cache.layout(["b"], [1])
+    assert lay.kv_lens.tolist() == [8] and lay.kv_indices.tolist() == [2, 0]
+
+
+def test_written_keys_are_where_the_layout_reads_them():
+    rng = np.random.default_rng(0)
+    cache = PagedKVCache(num_layers=2, num_pages=6, page_size=4, num_kv_heads=2, head_dim=8)
+    keys = {}
+    for request, n in (("x", 7), ("y", 3), ("x", 2)):
+        slots = cache.extend(request, n)
+        k = torch.as_tensor(rng.standard_normal((n, 2, 8)), dtype=torch.float32)
+        cache.write(1, slots, k, -k)
+        keys.setdefault(request, []).append(k)
+    lay = cache.layout(["x", "y"], [1, 1])
+    pool = cache.k[1].reshape(-1, 2, 8)
+    for row, request in enumerate(("x", "y")):
+        assert torch.equal(pool[torch.as_tensor(lay.kv_slots(row))], torch.cat(keys[request]))
+    assert torch.equal(cache.v[1], -cache.k[1]) and not cache.k[0].any()
+
+
+def test_a_shared_prefix_is_stored_once_and_refused_where_it_does_not_apply():
+    cache = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
+    cache.extend("sys", 6)
+    for r, n in (("a", 3), ("b", 5)):
+        cache.open(r, prefix="sys")
+        cache.extend(r, n)
+    assert cache.length("a") == 9 and cache.free_pages == 8 - 2 - 1 - 2
+    casc = cache.cascade("sys", ["a", "b"], [1, 1])
+    assert [lvl.kv_lens.tolist() for lvl in casc.levels] == [[6], [3, 5]]
+    with pytest.raises(ValueError, match="continues a shared prefix: use cascade"):
+        cache.layout(["a"], [1])
+    with pytest.raises(ValueError, match="shared prefix of open requests"):
+        cache.close("sys")
+    cache.open("c")
+    cache.extend("c", 1)
+    with pytest.raises(ValueError, match=r"request 'c' does not continue the prefix 'sys'"):
+        cache.cascade("sys", ["a", "c"], [1, 1])
+    with pytest.raises(ValueError, match="already in the cache"):
+        cache.open("a")
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------
+
+def test_a_step_gives_hf_forwards_logits(llama):
+    prompts = _prompts((7, 4))
+    engine = paged_generation.PagedModel(llama, num_pages=8, page_size=4, backend="reference")
+    logits = engine.step(list(enumerate(prompts)))
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            want = llama(prompt[None]).logits[0, -1]
+        torch.testing.assert_close(logits[i], want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_continuous_batching_gives_generates_tokens(llama, backend):
+    """Requests join at steps 0, 1 and 7 and leave after 6, 4 and 5 tokens (or at the end-of-sequence token):
+    the first two overlap, prefill beside decode; the pool (7 pages of 4) holds them both at most, so the last
+    runs in pages the first two gave back."""
+    prompts, counts = _prompts((5, 9, 3)), [6, 4, 5]
+    got = paged_generation.generate(llama, prompts, counts, arrivals=[0, 1, 7], num_pages=7, page_size=4,
+                                    backend=backend)
+    assert got == _generate_each(llama, prompts, counts)
+
+
+def test_a_shared_system_prompt_gives_generates_tokens(llama):
+    system = _prompts((21,), seed=2)[0]
+    prompts, counts = _prompts((5, 9, 3)), [6, 4, 5]
+    got = paged_generation.generate(llama, prompts, counts, arrivals=[0, 1, 1], system_prompt=system,
+                                    num_pages=16, page_size=4, backend="reference")
+    assert got == _generate_each(llama, prompts, counts, system)
+
+
+def test_the_example_runs(capsys):
+    paged_generation.main(["--backend", "reference"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6 and all("== generate's" in line for line in lines), lines
+
+
+def test_the_step_plan_is_a_cascade_over_the_system_prompt(llama, monkeypatch):
+    """Every step after the prompt's own plans a two-level cascade whose first level is the prompt's pages."""
+    planned = []
+    real = ba.BatchAttention.plan
+    monkeypatch.setattr(ba.BatchAttention, "plan", lambda self, layout, *a, **kw: planned.append(layout) or
+                        real(self, layout, *a, **kw))
+    system = _prompts((9,), seed=3)[0]
+    paged_generation.generate(llama, _prompts((3, 2)), [2, 2], system_prompt=system, num_pages=12, page_size=4,
+                              backend="reference")
+    assert isinstance(planned[0], ba.BSRLayout) and planned[0].kv_lens.tolist() == [9]
+    assert all(isinstance(p, ba.Cascade) and p.levels[0].kv_lens.tolist() == [9] for p in planned[1:])
+    assert len(planned) == 3  # the prompt, then the two requests' prefill, then their one decode step
