@@ -82,6 +82,22 @@ def test_written_keys_are_where_the_layout_reads_them():
     assert torch.equal(cache.v[1], -cache.k[1]) and not cache.k[0].any()
 
 
+def test_keep_moves_an_accepted_branch_into_place_and_frees_the_rest():
+    cache = PagedKVCache(num_layers=2, num_pages=4, page_size=2, num_kv_heads=1, head_dim=1)
+    slots = cache.extend("a", 7)
+    for layer in (0, 1):
+        values = torch.arange(7.0).view(7, 1, 1) + 10 * layer
+        cache.write(layer, slots, values, -values)
+    cache.keep("a", 2, [0, 2, 3])  # tokens 0, 1 stay; of the tree at 2.., nodes 0, 2 and 3
+    assert cache.length("a") == 5 and cache.free_pages == 1
+    for layer in (0, 1):
+        got = cache.k[layer].reshape(-1)[cache.layout(["a"], [1]).kv_slots(0)]
+        assert got.tolist() == [x + 10 * layer for x in (0.0, 1.0, 2.0, 4.0, 5.0)]
+        assert torch.equal(cache.v[layer], -cache.k[layer])
+    with pytest.raises(ValueError, match="must increase"):
+        cache.keep("a", 1, [0, 0])
+
+
 def test_a_shared_prefix_is_stored_once_and_refused_where_it_does_not_apply():
     cache = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
     cache.extend("sys", 6)
@@ -134,10 +150,47 @@ def test_a_shared_system_prompt_gives_generates_tokens(llama):
     assert got == _generate_each(llama, prompts, counts, system)
 
 
+def test_speculative_tree_decoding_gives_generates_tokens_in_fewer_steps(llama):
+    """Draft trees by prompt lookup, verified in one forward each over ``layouts.tree``: the accepted tokens are
+    exactly greedy decoding's, requests joining and leaving, in fewer steps than tokens."""
+    prompts, counts = _prompts((5, 9, 3)), [12, 10, 12]
+    got, steps = paged_generation.generate_speculative(llama, prompts, counts, arrivals=[0, 2, 3], num_pages=16,
+                                                       page_size=4, backend="reference")
+    assert got == _generate_each(llama, prompts, counts)
+    assert steps < sum(map(len, got)) - len(got), "no draft token was ever accepted: the trees went unused"
+
+
+def test_drafts_right_wrong_and_half_right_are_accepted_exactly_as_far_as_they_are_right(llama):
+    """An adversarial drafter that knows the answer: at every step one branch is right for one token and then
+    wrong, one is wrong from the start, and every other step one is right three tokens deep. The verifier
+    must accept exactly the right part, whatever the depth of the mistake."""
+    prompts, counts = _prompts((4, 7)), [9, 9]
+    want = _generate_each(llama, prompts, counts)
+
+    def drafter(request, history):
+        done = len(history) - len(prompts[request])  # tokens generated so far
+        future = want[request][done:]
+        wrong = [(t + 1) % VOCAB for t in future]
+        branches = [future[:1] + wrong[1:3], wrong[:2]] + ([future[:3]] if done % 2 else [])
+        return paged_generation.draft_tree(history[-1], branches)
+
+    got, steps = paged_generation.generate_speculative(llama, prompts, counts, arrivals=[0, 1], proposer=drafter,
+                                                       num_pages=16, page_size=4, backend="reference")
+    assert got == want
+    assert steps < sum(map(len, got)) - len(got)
+
+
+def test_propose_merges_lookups_into_a_tree():
+    tokens, parents = paged_generation.propose([5, 1, 2, 3, 5, 1, 4, 9, 5], depth=2, branches=3)
+    # after the second 5: 1, 4; after the first 5: 1, 2 (sharing the node 1)
+    assert tokens == [5, 1, 4, 2] and parents == [-1, 0, 1, 1]
+    assert paged_generation.propose([7, 8], depth=2) == ([8], [-1])
+
+
 def test_the_example_runs(capsys):
     paged_generation.main(["--backend", "reference"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 6 and all("== generate's" in line for line in lines), lines
+    assert len(lines) == 10 and all("== generate's" in line for line in lines[:9]), lines
 
 
 def test_the_step_plan_is_a_cascade_over_the_system_prompt(llama, monkeypatch):

@@ -161,6 +161,41 @@ class PagedKVCache:
         self.k[layer].view(-1, heads, dim)[slots.to(self.k.device)] = k.to(self.k.dtype)
         self.v[layer].view(-1, heads, dim)[slots.to(self.v.device)] = v.to(self.v.dtype)
 
+    def keep(self, request: Hashable, start: int, offsets: Sequence[int]) -> None:
+        """Keep, of ``request``'s tokens from ``start`` on, those at ``start + offsets[j]`` as its tokens ``start +
+        j``, in every layer, and drop the rest (their pages go back to the pool): a draft tree's accepted path
+        becomes the request's next tokens.
+
+        Parameters
+        ----------
+        request : hashable
+            An open request, with no shared prefix or with ``start`` past it.
+        start : int
+            The request's own token where the kept run begins.
+        offsets : sequence of int
+            Increasing offsets from ``start`` of the tokens kept, the first 0 or more.
+        """
+        start = as_int("start", start, minimum=0)
+        offsets = [as_int("offsets", o, minimum=0) for o in offsets]
+        length = self._lengths[request]
+        if any(b <= a for a, b in zip(offsets, offsets[1:])) or (offsets and start + offsets[-1] >= length):
+            raise ValueError(f"offsets {offsets} must increase and stay below the request's {length - start} "
+                             f"tokens after start {start}")
+        table = torch.as_tensor(self._pages[request], dtype=torch.int64)
+
+        def slots(at):
+            at = torch.as_tensor(at, dtype=torch.int64)
+            return table[at // self.page_size] * self.page_size + at % self.page_size
+
+        src, dst = slots([start + o for o in offsets]), slots(list(range(start, start + len(offsets))))
+        for pool in (self.k, self.v):
+            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])
+            flat[:, dst.to(pool.device)] = flat[:, src.to(pool.device)]  # gathered first: sources never overwritten
+        self._lengths[request] = start + len(offsets)
+        keep_pages = -(-self._lengths[request] // self.page_size)
+        self._free.extend(reversed(self._pages[request][keep_pages:]))
+        del self._pages[request][keep_pages:]
+
     def close(self, request: Hashable) -> None:
         """Take ``request``'s own pages back; a prefix others continue is kept until they are closed too.
 
@@ -195,6 +230,28 @@ class PagedKVCache:
                 raise ValueError(f"request {r!r} continues a shared prefix: use cascade()")
         return layouts.paged(qo_lens, [self._pages[r] for r in requests], [self._lengths[r] for r in requests],
                              self.page_size, self.num_pages)
+
+    def tree(self, requests: Sequence[Hashable], parents: Sequence[Sequence[int]]) -> BSRLayout:
+        """The tree layout of ``requests`` (each with no shared prefix) whose last ``len(parents[b])`` tokens are
+        draft-tree nodes (a prompt is a chain: ``[-1, 0, 1, ...]``), each attending its ancestors and itself.
+
+        Parameters
+        ----------
+        requests : sequence of hashable
+            The step's requests, in the order of its query rows.
+        parents : sequence of sequences of int
+            Each one's tree, as :func:`bsrattn.layouts.tree` takes it.
+
+        Returns
+        -------
+        BSRLayout
+            :func:`bsrattn.layouts.tree` over the requests' page tables and lengths.
+        """
+        for r in requests:
+            if r in self._prefix:
+                raise ValueError(f"request {r!r} continues a shared prefix: trees over a cascade are not supported")
+        return layouts.tree(parents, [self._pages[r] for r in requests], [self._lengths[r] for r in requests],
+                            self.page_size, self.num_pages)
 
     def cascade(self, prefix: Hashable, requests: Sequence[Hashable], qo_lens: Sequence[int]) -> Cascade:
         """The two-level layout of ``requests``, all continuing ``prefix``, whose last ``qo_lens`` tokens query:
