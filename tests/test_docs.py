@@ -54,10 +54,11 @@ def site(tmp_path_factory):
 
 def test_every_page_of_the_nav_is_built(site):
     for page in ("index.html", "concepts/merge/index.html", "tiers/index.html", "gpu/index.html",
-                 "benchmarks/index.html", "api/bsrattn/index.html", "api/scheduler/index.html", "api/draw/index.html"):
+                 "benchmarks/index.html", "api/bsrattn/index.html", "api/scheduler/index.html", "api/draw/index.html",
+                 "api/integrations/index.html"):
         assert (site / page).is_file(), page
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
-    assert len(notebooks) == 10
+    assert len(notebooks) == 11
     for stem in notebooks:
         assert (site / "notebooks" / stem / "index.html").is_file(), stem
 
