@@ -13,6 +13,11 @@ itself and a decode row everything): prefill and decode in one plan, one launch 
 two-level :class:`~bsrattn.Cascade`: the prompt's pages once for every query of the step, then each request's
 own pages, the two states merged with ⊕.
 
+**Quest page selection** (``generate(..., quest_budget=B)``): each decode step, layer by layer, each KV head
+reads only the ``B`` pages whose keys could score highest against its queries (:func:`select_pages`, the bound of
+Quest from each page's key minimum and maximum) through a :func:`bsrattn.layouts.quest` layout over the pool
+stored HND and viewed per head; prefills attend in full. Exact when ``B`` covers a request's pages.
+
 **Speculative tree decoding** (:func:`generate_speculative`): each running request's step is a draft tree
 (prompt lookup by default, :func:`propose`) under a tree mask (:func:`bsrattn.layouts.tree`; a joining
 request's prompt is a chain), verified in one forward; the longest branch the model itself would have chosen
@@ -27,6 +32,7 @@ Run it on a random tiny Llama (the tokens are compared with ``model.generate``'s
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -41,22 +47,27 @@ SYSTEM = "system"
 class PagedModel:
     """A Llama-family ``transformers`` causal LM run step by step over a paged KV cache."""
 
-    def __init__(self, model, num_pages: int, page_size: int = 16, backend=None):
+    def __init__(self, model, num_pages: int, page_size: int = 16, backend=None, kv_layout: str = "NHD"):
         config = model.config
         self.model = model
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.cache = PagedKVCache(config.num_hidden_layers, num_pages, page_size, self.kv_heads, self.head_dim,
-                                  dtype=model.dtype, device=model.device)
+                                  dtype=model.dtype, device=model.device, kv_layout=kv_layout)
         self.attention = ba.BatchAttention(backend=backend)
+        self.quest_attention = ba.BatchAttention(backend=backend)
         self.variant = ba.Variant(sm_scale=model.model.layers[0].self_attn.scaling, causal=True)
+        self.dtype = str(model.dtype).removeprefix("torch.")
 
     @torch.no_grad()
-    def step(self, chunks, prefix=None) -> torch.Tensor:
+    def step(self, chunks, prefix=None, quest_budget=None) -> torch.Tensor:
         """Feed each ``(request, token ids [n])`` of ``chunks`` its new tokens; the logits at each one's last.
 
-        ``prefix`` names the request every one of them continues (the cache's shared prefix), or None.
+        ``prefix`` names the request every one of them continues (the cache's shared prefix), or None. With a
+        ``quest_budget`` (a cache made with ``kv_layout="HND"``), each one-token chunk of a request already in
+        the cache is a decode whose KV heads each read only the ``quest_budget`` pages :func:`select_pages`
+        picks for them, layer by layer; the other chunks attend as before.
         """
         requests = [r for r, _ in chunks]
         qo_lens = [len(ids) for _, ids in chunks]
@@ -65,12 +76,26 @@ class PagedModel:
                 self.cache.open(r)
         positions = torch.cat([torch.arange(self.cache.length(r), self.cache.length(r) + n)
                                for r, n in zip(requests, qo_lens)])
+        decoding = [quest_budget is not None and n == 1 and self.cache.length(r) > 0
+                    for r, n in zip(requests, qo_lens)]
         slots = torch.cat([self.cache.extend(r, n) for r, n in zip(requests, qo_lens)])
-        layout = (self.cache.layout(requests, qo_lens) if prefix is None
-                  else self.cache.cascade(prefix, requests, qo_lens))
-        self._plan(layout)
-        return self._forward(torch.cat([ids for _, ids in chunks]).to(self.model.device), positions, slots,
-                             torch.as_tensor(qo_lens).cumsum(0) - 1)
+        rows = torch.as_tensor(qo_lens).cumsum(0) - 1
+        if any(decoding):
+            if prefix is not None:
+                raise ValueError("Quest selection over a shared prefix is not supported")
+            decode = [(r, int(row)) for r, row, d in zip(requests, rows, decoding) if d]
+            rest = [(r, n) for r, n, d in zip(requests, qo_lens, decoding) if not d]
+            if rest:
+                self._plan(self.cache.layout([r for r, _ in rest], [n for _, n in rest]))
+            rest_rows = [int(i) for row, n, d in zip(rows, qo_lens, decoding) if not d
+                         for i in range(row - n + 1, row + 1)]
+            attend = partial(self._attend_with_quest, rest_rows, decode, quest_budget)
+        else:
+            self._plan(self.cache.layout(requests, qo_lens) if prefix is None
+                       else self.cache.cascade(prefix, requests, qo_lens))
+            attend = self._attend
+        return self._forward(torch.cat([ids for _, ids in chunks]).to(self.model.device), positions, slots, rows,
+                             attend)
 
     @torch.no_grad()
     def step_trees(self, trees) -> torch.Tensor:
@@ -92,14 +117,27 @@ class PagedModel:
         layout = self.cache.tree([r for r, _, _ in trees], [p for _, _, p in trees])
         self._plan(layout)
         ids = torch.cat([ids for _, ids, _ in trees]).to(self.model.device)
-        return self._forward(ids, torch.cat(positions), torch.cat(slots), torch.arange(ids.numel()))
+        return self._forward(ids, torch.cat(positions), torch.cat(slots), torch.arange(ids.numel()), self._attend)
 
     def _plan(self, layout):
-        dtype = str(self.model.dtype).removeprefix("torch.")
-        self.attention.plan(layout, self.heads, self.kv_heads, self.head_dim, variant=self.variant, q_dtype=dtype,
-                            kv_dtype=dtype)  # one plan for the step, run by every layer
+        self.attention.plan(layout, self.heads, self.kv_heads, self.head_dim, variant=self.variant,
+                            q_dtype=self.dtype, kv_dtype=self.dtype, kv_layout=self.cache.kv_layout)  # for every layer
 
-    def _forward(self, ids, positions, slots, last_rows):
+    def _attend(self, layer, q):
+        """``q [n, Hq, D]`` through the step's plan over layer ``layer``'s pool."""
+        return self.attention.run(q, self.cache.k[layer], self.cache.v[layer])
+
+    def _attend_with_quest(self, rest_rows, decode, budget, layer, q):
+        """The step's plan for ``rest_rows`` of ``q``, Quest for the ``decode`` ``(request, row)`` pairs."""
+        out = torch.empty_like(q)
+        if rest_rows:
+            out[rest_rows] = self._attend(layer, q[rest_rows].contiguous())
+        decode_rows = [row for _, row in decode]
+        out[decode_rows] = quest_attention(self.quest_attention, self.cache, layer, [r for r, _ in decode],
+                                           q[decode_rows], budget, self.variant.sm_scale)
+        return out
+
+    def _forward(self, ids, positions, slots, last_rows, attend):
         inner = self.model.model
         nnz = ids.numel()
         h = inner.embed_tokens(ids)  # [nnz, hidden]: the step's tokens, request after request
@@ -112,19 +150,51 @@ class PagedModel:
             v = attn.v_proj(x).view(nnz, self.kv_heads, self.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # at each token's absolute position
             self.cache.write(i, slots, k, v)
-            o = self.attention.run(q.contiguous(), self.cache.k[i], self.cache.v[i])
+            o = attend(i, q.contiguous())
             h = h + attn.o_proj(o.reshape(nnz, self.heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(inner.norm(h[last_rows]))
 
 
-def generate(model, prompts, max_new_tokens, *, arrivals=None, system_prompt=None, num_pages=64, page_size=16,
-             backend=None) -> list:
+def select_pages(cache, layer, request, q, budget) -> list:
+    """Quest's choice for one decode query ``q [Hq, D]``: for each KV head, the ``budget`` pages of ``request``
+    whose keys could score highest, by the bound ``sum_d max(q_d min_d, q_d max_d)`` over each page's
+    elementwise key minimum and maximum (the largest over the head's query heads), the last page always kept;
+    positions in the request's page table, increasing, ``[num_kv_heads][<= budget]``."""
+    pages = cache.pages(request)
+    if len(pages) <= budget:
+        return [list(range(len(pages)))] * cache.num_kv_heads
+    k = cache.k[layer][pages]  # HND: [n, Hkv, page_size, D]
+    valid = (torch.arange(len(pages) * cache.page_size) < cache.length(request)).view(len(pages), 1, -1, 1)
+    big = torch.finfo(k.dtype).max
+    low, high = torch.where(valid, k, big).amin(2), torch.where(valid, k, -big).amax(2)  # [n, Hkv, D]
+    q = q.view(cache.num_kv_heads, -1, q.shape[-1]).to(k.dtype)  # [Hkv, G, D]
+    bound = torch.maximum(q[None] * low[:, :, None], q[None] * high[:, :, None]).sum(-1).amax(-1)  # [n, Hkv]
+    bound[-1] = float("inf")  # the page of the newest tokens
+    return [sorted(bound[:, h].topk(budget).indices.tolist()) for h in range(cache.num_kv_heads)]
+
+
+def quest_attention(attention, cache, layer, requests, q, budget, sm_scale):
+    """Decode ``q [B, Hq, D]`` (one row per request) over the pages :func:`select_pages` keeps, each KV head its
+    own: one :func:`bsrattn.layouts.quest` layout over the HND pool viewed per head, planned and run here."""
+    selected = [select_pages(cache, layer, r, q[b], budget) for b, r in enumerate(requests)]
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // cache.num_kv_heads
+    qh, kh, vh = ba.layouts.per_head_views(q.contiguous(), cache.k[layer], cache.v[layer], cache.num_kv_heads)
+    dtype = str(q.dtype).removeprefix("torch.")
+    attention.plan(cache.quest(requests, selected), group, 1, head_dim, variant=ba.Variant(sm_scale=sm_scale),
+                   q_dtype=dtype, kv_dtype=dtype)
+    return attention.run(qh, kh, vh).reshape(len(requests), heads, head_dim)
+
+
+def generate(model, prompts, max_new_tokens, *, arrivals=None, system_prompt=None, quest_budget=None,
+             num_pages=64, page_size=16, backend=None) -> list:
     """Greedy continuous batching: request ``i`` joins at step ``arrivals[i]`` with ``prompts[i]`` (token ids),
     continuing ``system_prompt`` when given, and leaves once it has ``max_new_tokens[i]`` new tokens or has
     produced an end-of-sequence token (the model's ``generation_config``), as ``model.generate`` stops; returns
-    each request's new tokens."""
-    engine = PagedModel(model, num_pages, page_size, backend)
+    each request's new tokens. With a ``quest_budget``, decode steps read only that many pages per KV head and
+    layer (:func:`select_pages`), an approximation that is exact once the budget covers a request's pages."""
+    engine = PagedModel(model, num_pages, page_size, backend, kv_layout="NHD" if quest_budget is None else "HND")
     eos = model.generation_config.eos_token_id
     eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
@@ -141,7 +211,7 @@ def generate(model, prompts, max_new_tokens, *, arrivals=None, system_prompt=Non
             engine.cache.open(i, prefix)
             chunks.append((i, torch.as_tensor(prompts[i])))
         if chunks:
-            logits = engine.step(chunks, prefix)
+            logits = engine.step(chunks, prefix, quest_budget)
             for (i, _), row in zip(chunks, logits):
                 tokens[i].append(int(row.argmax()))
             running = [i for i, _ in chunks if len(tokens[i]) < max_new_tokens[i] and tokens[i][-1] not in eos]

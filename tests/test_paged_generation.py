@@ -66,9 +66,10 @@ def test_pages_are_handed_out_in_order_and_taken_back():
     assert lay.kv_lens.tolist() == [8] and lay.kv_indices.tolist() == [2, 0]
 
 
-def test_written_keys_are_where_the_layout_reads_them():
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_written_keys_are_where_the_layout_reads_them(kv_layout):
     rng = np.random.default_rng(0)
-    cache = PagedKVCache(num_layers=2, num_pages=6, page_size=4, num_kv_heads=2, head_dim=8)
+    cache = PagedKVCache(num_layers=2, num_pages=6, page_size=4, num_kv_heads=2, head_dim=8, kv_layout=kv_layout)
     keys = {}
     for request, n in (("x", 7), ("y", 3), ("x", 2)):
         slots = cache.extend(request, n)
@@ -76,14 +77,15 @@ def test_written_keys_are_where_the_layout_reads_them():
         cache.write(1, slots, k, -k)
         keys.setdefault(request, []).append(k)
     lay = cache.layout(["x", "y"], [1, 1])
-    pool = cache.k[1].reshape(-1, 2, 8)
+    pool = (cache.k[1] if kv_layout == "NHD" else cache.k[1].transpose(1, 2)).reshape(-1, 2, 8)
     for row, request in enumerate(("x", "y")):
         assert torch.equal(pool[torch.as_tensor(lay.kv_slots(row))], torch.cat(keys[request]))
     assert torch.equal(cache.v[1], -cache.k[1]) and not cache.k[0].any()
 
 
-def test_keep_moves_an_accepted_branch_into_place_and_frees_the_rest():
-    cache = PagedKVCache(num_layers=2, num_pages=4, page_size=2, num_kv_heads=1, head_dim=1)
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_keep_moves_an_accepted_branch_into_place_and_frees_the_rest(kv_layout):
+    cache = PagedKVCache(num_layers=2, num_pages=4, page_size=2, num_kv_heads=1, head_dim=1, kv_layout=kv_layout)
     slots = cache.extend("a", 7)
     for layer in (0, 1):
         values = torch.arange(7.0).view(7, 1, 1) + 10 * layer
@@ -178,6 +180,47 @@ def test_drafts_right_wrong_and_half_right_are_accepted_exactly_as_far_as_they_a
                                                        num_pages=16, page_size=4, backend="reference")
     assert got == want
     assert steps < sum(map(len, got)) - len(got)
+
+
+def test_quest_with_a_budget_over_every_page_gives_generates_tokens(llama):
+    """Quest's path (an HND cache, prefill through the step's plan, each decode per layer through a Quest layout
+    over the pool viewed per head) is exact when the budget covers every page."""
+    prompts, counts = _prompts((5, 9, 3)), [6, 4, 5]
+    got = paged_generation.generate(llama, prompts, counts, arrivals=[0, 1, 2], quest_budget=64, num_pages=16,
+                                    page_size=4, backend="reference")
+    assert got == _generate_each(llama, prompts, counts)
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_quest_attention_reads_exactly_the_pages_it_selects(seed):
+    """Two requests of 12 and 5 pages, budget 3: each KV head keeps the last page and the two pages of the
+    largest bound (the largest over its query heads), and its query heads attend over exactly those keys."""
+    rng = np.random.default_rng(seed)
+    hkv, group, d, page = 2, 4, 8, 4
+    cache = PagedKVCache(num_layers=1, num_pages=17, page_size=page, num_kv_heads=hkv, head_dim=d, kv_layout="HND")
+    for request, n in (("a", 46), ("b", 19)):
+        cache.write(0, cache.extend(request, n), *(torch.as_tensor(rng.standard_normal((n, hkv, d)),
+                                                                   dtype=torch.float32) for _ in range(2)))
+    q = torch.as_tensor(rng.standard_normal((2, hkv * group, d)), dtype=torch.float32)
+    got = paged_generation.quest_attention(ba.BatchAttention(backend="reference"), cache, 0, ["a", "b"], q, 3,
+                                           d ** -0.5)
+    for b, request in enumerate(("a", "b")):
+        pages, length = cache.pages(request), cache.length(request)
+        keys = cache.k[0][pages].transpose(1, 2).reshape(-1, hkv, d)[:length].double().numpy()  # [length, Hkv, D]
+        values = cache.v[0][pages].transpose(1, 2).reshape(-1, hkv, d)[:length].double().numpy()
+        selected = paged_generation.select_pages(cache, 0, request, q[b], 3)
+        for h in range(hkv):
+            qh = q[b, h * group:(h + 1) * group].double().numpy()
+            page_of = np.arange(length) // page
+            bounds = [max(np.maximum(qh[g] * keys[page_of == p, h].min(0), qh[g] * keys[page_of == p, h].max(0))
+                          .sum() for g in range(group)) for p in range(len(pages))]
+            bounds[-1] = np.inf
+            assert selected[h] == sorted(np.argsort(bounds)[-3:].tolist())
+            seen = np.isin(page_of, selected[h])
+            scores = qh @ keys[seen, h].T * d ** -0.5
+            weights = np.exp(scores - scores.max(1, keepdims=True))
+            want = weights @ values[seen, h] / weights.sum(1, keepdims=True)
+            np.testing.assert_allclose(got[b, h * group:(h + 1) * group].numpy(), want, atol=2e-6)
 
 
 def test_propose_merges_lookups_into_a_tree():

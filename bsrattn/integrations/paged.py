@@ -36,11 +36,14 @@ class PagedKVCache:
     Parameters
     ----------
     num_layers, num_pages, page_size, num_kv_heads, head_dim : int
-        The pool: ``k[layer]`` and ``v[layer]`` are ``[num_pages, page_size, num_kv_heads, head_dim]``.
+        The pool: ``k[layer]`` and ``v[layer]`` are ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD).
     dtype : torch.dtype
         Of the stored keys and values.
     device : torch.device or str
         Where the pool lives.
+    kv_layout : str
+        ``"NHD"``, or ``"HND"`` (``[num_pages, num_kv_heads, page_size, head_dim]`` per layer), which Quest's
+        per-head page selection reads (:meth:`quest`); plan with the same ``kv_layout``.
 
     Examples
     --------
@@ -55,11 +58,17 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_layout: str = "NHD") -> None:
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        self.kv_layout = kv_layout
         self.num_pages = as_int("num_pages", num_pages, minimum=1)
         self.page_size = as_int("page_size", page_size, minimum=1)
-        shape = (as_int("num_layers", num_layers, minimum=1), self.num_pages, self.page_size,
-                 as_int("num_kv_heads", num_kv_heads, minimum=1), as_int("head_dim", head_dim, minimum=1))
+        self.num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+        slots = (self.page_size, self.num_kv_heads) if kv_layout == "NHD" else (self.num_kv_heads, self.page_size)
+        shape = (as_int("num_layers", num_layers, minimum=1), self.num_pages, *slots,
+                 as_int("head_dim", head_dim, minimum=1))
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(self.num_pages - 1, -1, -1))  # popped from the end: pages 0, 1, 2, ... first
@@ -141,8 +150,12 @@ class PagedKVCache:
                                f"of {self.num_pages}")
         pages.extend(self._free.pop() for _ in range(need))
         self._lengths[request] = start + num_tokens
-        at = torch.arange(start, start + num_tokens)
-        table = torch.as_tensor(pages, dtype=torch.int64)
+        return self._slots(request, range(start, start + num_tokens))
+
+    def _slots(self, request, positions) -> torch.Tensor:
+        """Pool slots of ``request``'s own tokens at ``positions``, int64."""
+        table = torch.as_tensor(self._pages[request], dtype=torch.int64)
+        at = torch.as_tensor(list(positions), dtype=torch.int64)
         return table[at // self.page_size] * self.page_size + at % self.page_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -157,9 +170,13 @@ class PagedKVCache:
         k, v : torch.Tensor, ``[n, num_kv_heads, head_dim]``
             The tokens' keys and values.
         """
-        heads, dim = self.k.shape[3:]
-        self.k[layer].view(-1, heads, dim)[slots.to(self.k.device)] = k.to(self.k.dtype)
-        self.v[layer].view(-1, heads, dim)[slots.to(self.v.device)] = v.to(self.v.dtype)
+        for pool, x in ((self.k, k), (self.v, v)):
+            pool[(layer, *self._at(slots.to(pool.device)))] = x.to(pool.dtype)
+
+    def _at(self, slots: torch.Tensor) -> tuple:
+        """The index of ``slots`` in a layer's pool: its ``[n, num_kv_heads, head_dim]`` elements."""
+        page, offset = slots // self.page_size, slots % self.page_size
+        return (page, offset) if self.kv_layout == "NHD" else (page, slice(None), offset)
 
     def keep(self, request: Hashable, start: int, offsets: Sequence[int]) -> None:
         """Keep, of ``request``'s tokens from ``start`` on, those at ``start + offsets[j]`` as its tokens ``start +
@@ -181,16 +198,11 @@ class PagedKVCache:
         if any(b <= a for a, b in zip(offsets, offsets[1:])) or (offsets and start + offsets[-1] >= length):
             raise ValueError(f"offsets {offsets} must increase and stay below the request's {length - start} "
                              f"tokens after start {start}")
-        table = torch.as_tensor(self._pages[request], dtype=torch.int64)
-
-        def slots(at):
-            at = torch.as_tensor(at, dtype=torch.int64)
-            return table[at // self.page_size] * self.page_size + at % self.page_size
-
-        src, dst = slots([start + o for o in offsets]), slots(list(range(start, start + len(offsets))))
+        src = self._slots(request, [start + o for o in offsets])
+        dst = self._slots(request, range(start, start + len(offsets)))
         for pool in (self.k, self.v):
-            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])
-            flat[:, dst.to(pool.device)] = flat[:, src.to(pool.device)]  # gathered first: sources never overwritten
+            for layer in range(pool.shape[0]):  # the sources are gathered first, so none is overwritten early
+                pool[(layer, *self._at(dst.to(pool.device)))] = pool[(layer, *self._at(src.to(pool.device)))]
         self._lengths[request] = start + len(offsets)
         keep_pages = -(-self._lengths[request] // self.page_size)
         self._free.extend(reversed(self._pages[request][keep_pages:]))
@@ -252,6 +264,44 @@ class PagedKVCache:
                 raise ValueError(f"request {r!r} continues a shared prefix: trees over a cascade are not supported")
         return layouts.tree(parents, [self._pages[r] for r in requests], [self._lengths[r] for r in requests],
                             self.page_size, self.num_pages)
+
+    def pages(self, request: Hashable) -> list:
+        """The pool pages of ``request``'s own tokens, in order.
+
+        Parameters
+        ----------
+        request : hashable
+            An open request.
+
+        Returns
+        -------
+        list of int
+        """
+        return list(self._pages[request])
+
+    def quest(self, requests: Sequence[Hashable], selected_pages: Sequence[Sequence[Sequence[int]]]) -> BSRLayout:
+        """The Quest layout of one decode query per request: each KV head reads only its selected pages.
+
+        Parameters
+        ----------
+        requests : sequence of hashable
+            The step's decoding requests (no shared prefix), one query each.
+        selected_pages : nested sequence of int, ``[B][num_kv_heads][budget]``
+            Each head's pages, as positions in the request's page table, increasing (the partial last page last).
+
+        Returns
+        -------
+        BSRLayout
+            :func:`bsrattn.layouts.quest`, over the HND pool viewed per head
+            (:func:`bsrattn.layouts.per_head_views`).
+        """
+        if self.kv_layout != "HND":
+            raise ValueError("Quest reads the pool per head: make the cache with kv_layout='HND'")
+        for r in requests:
+            if r in self._prefix:
+                raise ValueError(f"request {r!r} continues a shared prefix: Quest over a cascade is not supported")
+        return layouts.quest([self._pages[r] for r in requests], [self._lengths[r] for r in requests],
+                             selected_pages, self.page_size, self.num_pages, self.num_kv_heads)
 
     def cascade(self, prefix: Hashable, requests: Sequence[Hashable], qo_lens: Sequence[int]) -> Cascade:
         """The two-level layout of ``requests``, all continuing ``prefix``, whose last ``qo_lens`` tokens query:
