@@ -8,7 +8,8 @@
 - W4, W5: speedups (no-split / planned; best plain decode / cascade) per configuration;
 - W6: ``plan()`` host time against batch size;
 - W7: the makespan ratios and the read-amplification model against its expectation;
-- W8: host time per call of a tight loop, per configuration.
+- W8: host time per call of a tight loop, per configuration;
+- W9: a transformers model's time per decode step, per configuration.
 """
 
 from __future__ import annotations
@@ -205,8 +206,19 @@ def plot_w8(payload, fig):
     _legend(ax, fontsize=7, ncol=2)
 
 
+def plot_w9(payload, fig):
+    recs = _ok(payload["records"])
+    labels = _configs(recs)
+    series = {impl: {config_label(r["config"]): r["time_us"] / 1e3 for r in recs if r["impl"] == impl}
+              for impl in _impls(recs)}
+    ax = fig.subplots()
+    _bars(ax, labels, series, "ms per decode step")
+    _legend(ax, fontsize=7)
+
+
 PLOTS = {"w1_quest_decode": plot_w1, "w2_paged_decode": plot_w2, "w3_prefill": plot_w3, "w4_split_kv": plot_w4,
-         "w5_cascade": plot_w5, "w6_plan_host": plot_w6, "w7_cpu_models": plot_w7, "w8_run_host": plot_w8}
+         "w5_cascade": plot_w5, "w6_plan_host": plot_w6, "w7_cpu_models": plot_w7, "w8_run_host": plot_w8,
+         "w9_transformers": plot_w9}
 
 
 def draw(payload, path: Path, dpi: int = 90) -> Path:

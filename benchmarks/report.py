@@ -16,7 +16,7 @@ if __package__ in (None, ""):
 from benchmarks.records import RESULTS_DIR, config_label, load_results  # noqa: E402
 
 ORDER = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
-         "w7_cpu_models", "w8_run_host")
+         "w7_cpu_models", "w8_run_host", "w9_transformers")
 NO_SPLIT = "-no-split"
 STATUS_MARK = {"unavailable": "n/a", "error": "error", "incorrect": "WRONG", "skipped": "skipped"}
 
@@ -193,6 +193,23 @@ def table_w8(payload) -> list:
             + markdown(header, lines) + _notes(table))
 
 
+def table_w9(payload) -> list:
+    """Milliseconds per decode step (one token for every request of the batch), and SDPA's over bsrattn's."""
+    table = Table(payload["records"])
+
+    def ms(rec) -> str:
+        return f"{rec['time_us'] / 1e3:.2f}"
+
+    def speedup(row):
+        recs = table.rows[row]
+        return _speedup(recs.get("sdpa"), next((r for name, r in recs.items() if name.startswith("bsrattn")), None))
+
+    header = ["configuration"] + [f"{c} ms" for c in table.columns] + ["SDPA / bsrattn"]
+    lines = [[row] + [table.cell(row, c, ms) for c in table.columns] + [speedup(row)] for row in table.rows]
+    return (["Host ms per decode step of the whole model (a token for each request), synchronized:", ""]
+            + markdown(header, lines) + _notes(table))
+
+
 def table_w7(payload) -> list:
     recs = [r for r in payload["records"] if r["status"] == "ok"]
     makespan = [r for r in recs if r["config"]["table"] == "makespan"]
@@ -230,6 +247,7 @@ SECTIONS = {
     "w6_plan_host": table_w6,
     "w7_cpu_models": table_w7,
     "w8_run_host": table_w8,
+    "w9_transformers": table_w9,
 }
 
 

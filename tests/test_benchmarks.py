@@ -21,7 +21,7 @@ from benchmarks import ceilings, correctness, harness, plots, records, report, r
 from benchmarks import w7_cpu_models  # noqa: E402
 
 GPU_SCRIPTS = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
-               "w8_run_host")
+               "w8_run_host", "w9_transformers")
 
 
 def _dry_suite(tmp_path=None, impls=None):
@@ -214,11 +214,12 @@ def test_gpu_script_dry_run(name, tmp_path):
     for rec in payload["records"]:
         by_status.setdefault(rec["status"], []).append(rec["impl"])
     assert set(by_status) <= {"ok", "unavailable"}, [r for r in payload["records"] if r["status"] != "ok"]
-    assert by_status.get("unavailable") and all(i.startswith("flashinfer") for i in by_status["unavailable"])
+    if name != "w9_transformers":  # the one workload without FlashInfer
+        assert by_status.get("unavailable") and all(i.startswith("flashinfer") for i in by_status["unavailable"])
     assert any(impl.startswith("bsrattn-") for impl in by_status["ok"])
-    if name in ("w6_plan_host", "w8_run_host"):
+    if name in ("w6_plan_host", "w8_run_host", "w9_transformers"):
         assert all(r["host"]["samples"] > 0 for r in payload["records"] if r["status"] == "ok")
-    if name != "w6_plan_host":  # plans: nothing to check
+    if name not in ("w6_plan_host", "w9_transformers"):  # host timings of plans and model steps: no output rows
         checked = [r for r in payload["records"] if "check" in r]
         assert len(checked) == len(by_status["ok"])
         assert all(r["check"]["ok"] and r["check"]["rows_checked"] > 0 for r in checked)
@@ -269,7 +270,9 @@ def synthetic_payloads():
           for b in (1, 256) for impl, t in (("bsrattn-torch", 20.0), ("flashinfer-tensor-core", 57.0))]
     w8 = [dict(_rec({"kind": "decode", "batch": 1, "kv_len": 1024}, impl, t), time_mode="host", host={"median_us": t},
                eager={"median_us": t + 9.0}) for impl, t in (("bsrattn-torch", 17.0), ("flashinfer-cuda-core", 21.0))]
-    return {name: payload(name, recs) for name, recs in zip(GPU_SCRIPTS, (w1, w2, w3, w4, w5, w6, w8))}
+    w9 = [dict(_rec({"batch": 8, "prompt": 4096}, impl, t), time_mode="host", host={"median_us": t})
+          for impl, t in (("bsrattn-torch", 9000.0), ("sdpa", 10000.0), ("eager", 14000.0))]
+    return {name: payload(name, recs) for name, recs in zip(GPU_SCRIPTS, (w1, w2, w3, w4, w5, w6, w8, w9))}
 
 
 def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
@@ -280,7 +283,7 @@ def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     assert sorted(p.stem for p in drawn) == sorted(report.ORDER)
     assert all(p.stat().st_size > 5000 for p in drawn)
     text = report.write_summary(tmp_path).read_text()
-    assert text.count("\n## ") == 8 and "Not run yet" not in text
+    assert text.count("\n## ") == 9 and "Not run yet" not in text
     for name in report.ORDER:
         assert f"python3 benchmarks/{name}.py" in text and f"![{name}]({name}.png)" in text
     assert "| seq_len=4096 budget=64 | 4.0 | 7.0 (0.57) | 40.0 (0.10) | n/a | 3.00 |" in text
@@ -292,6 +295,7 @@ def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     assert "skipped" in text and "WRONG" in text and "incorrect on purpose" in text
     assert "4.20 TB/s" in text and "790 TFLOP/s" in text
     assert "| kind=decode batch=1 kv_len=1024 | 17.0 (26.0) | 21.0 (30.0) |" in text
+    assert "| batch=8 prompt=4096 | 9.00 | 10.00 | 14.00 | 1.11x |" in text
 
 
 def test_plots_survive_records_without_times(tmp_path):
@@ -311,5 +315,5 @@ def test_run_all_deadlines_and_selection(capsys):
     assert scaled["w2"] == pytest.approx(95.0) and 0 < scaled["w1"] < scaled["w2"]
     assert run_all._deadlines(["w3"], False, None, 0.0) == {"w3": None}
     with pytest.raises(SystemExit):
-        run_all.main(["--only", "w9"])
-    assert "unknown workloads ['w9']" in capsys.readouterr().err
+        run_all.main(["--only", "w10"])
+    assert "unknown workloads ['w10']" in capsys.readouterr().err
