@@ -182,20 +182,20 @@ def gather_one_tile(k_words, v_words, kv_indices, row_block_start, block_size, k
                     k_out):
     """rows_out [TILE]: storage row of each slot of the tile; k_out [TILE, ROW_WORDS]: the K tile as gathered."""
     t = cuda.threadIdx.x
-    tile_rows = cuda.shared.array(TILE, np.int64)
+    kv_rows = cuda.shared.array(TILE, np.int64)
     k_tile = cuda.shared.array((TILE, STRIDE), WORD)
     v_tile = cuda.shared.array((TILE, STRIDE), WORD)
     k_staged = cuda.local.array(STAGED, WORD)
     v_staged = cuda.local.array(STAGED, WORD)
-    resolve_rows(t, tile_rows, kv_indices, row_block_start, 0, block_size, num_kv_heads, kv_head, kv0, kv_end)
+    resolve_rows(t, kv_rows, kv_indices, row_block_start, 0, block_size, num_kv_heads, kv_head, kv0, kv_end)
     cuda.syncthreads()
-    load_rows(t, k_staged, v_staged, k_words, v_words, tile_rows)
+    load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows)
     store_rows(t, k_staged, v_staged, k_tile, v_tile)
     cuda.syncthreads()
     for e in range(t, TILE * ROW_WORDS, cuda.blockDim.x):
         k_out[e // ROW_WORDS, e % ROW_WORDS] = k_tile[e // ROW_WORDS, e % ROW_WORDS]
     for j in range(t, TILE, cuda.blockDim.x):
-        rows_out[j] = tile_rows[j]
+        rows_out[j] = kv_rows[j]
 
 
 kv_head, kv_end = 1, int(layout.kv_lens[0])

@@ -148,7 +148,7 @@ def raw_tensors(problem, dtype=np.float64, rng=None):
     hq, hkv, d = problem.num_qo_heads, problem.num_kv_heads, problem.head_dim
     nb, bs = pool_geometry(case)
     kv_shape = {"flat": (nb * bs, hkv, d), "NHD": (nb, bs, hkv, d), "HND": (nb, hkv, bs, d),
-                "quest": (nb, hkv, bs, d)}[case.kv_store]
+                "quest": (nb, hkv, bs, d)}[case.kv_pool]
     q = rng.standard_normal((num_query_rows(case), hq, d))
     k, v = rng.standard_normal(kv_shape), rng.standard_normal(kv_shape)
     return tuple(rounded(x, dtype) for x in (q, k, v))
@@ -169,10 +169,10 @@ def as_float64(x) -> np.ndarray:
 
 
 def canonical_pool(case, x) -> np.ndarray:
-    """Raw ``k``/``v`` (``x``: the case's storage, see ``LayoutCase.kv_store``) as ``[num_slots, Hkv, D]``,
+    """Raw ``k``/``v`` (``x``: the case's storage, see ``LayoutCase.kv_pool``) as ``[num_slots, Hkv, D]``,
     slot ``block * block_size + t``."""
     x = np.asarray(x, dtype=np.float64)
-    if case.kv_store in ("HND", "quest"):
+    if case.kv_pool in ("HND", "quest"):
         x = x.transpose(0, 2, 1, 3)
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
@@ -189,9 +189,9 @@ def call_inputs(case, q, k, v) -> tuple:
     if case.block_size != bs:
         # A flattened Cascade addresses the paged pool slot by slot (block_size 1).
         return q, canonical_pool(case, k), canonical_pool(case, v), "NHD"
-    if case.kv_store == "flat" and bs > 1:
+    if case.kv_pool == "flat" and bs > 1:
         return q, k.reshape(nb, bs, *k.shape[1:]), v.reshape(nb, bs, *v.shape[1:]), "NHD"
-    return q, k, v, ("HND" if case.kv_store == "HND" else "NHD")
+    return q, k, v, ("HND" if case.kv_pool == "HND" else "NHD")
 
 
 def output_to_raw(case, out, lse=None, num_qo_heads=None):

@@ -26,7 +26,7 @@ MAX_KEYS = 40
 class LayoutCase:
     """A layout and the raw inputs its constructor was called with.
 
-    ``kv_store`` says how the raw ``k``/``v`` pool is stored: ``"flat"`` ``[num_slots, Hkv, D]``,
+    ``kv_pool`` says how the raw ``k``/``v`` pool is stored: ``"flat"`` ``[num_slots, Hkv, D]``,
     ``"NHD"`` ``[num_blocks, block_size, Hkv, D]``, ``"HND"`` ``[num_blocks, Hkv, block_size, D]``, or
     ``"quest"`` (HND ``[num_pages, Hkv, page_size, D]``, called through ``per_head_views``).
     ``num_kv_heads`` is fixed by the layout for Quest (its rows are per KV head), else None.
@@ -35,7 +35,7 @@ class LayoutCase:
     kind: str
     raw: dict
     layout: object
-    kv_store: str = "NHD"
+    kv_pool: str = "NHD"
     num_kv_heads: int | None = None
 
     @property
@@ -281,13 +281,13 @@ SPLIT_PROBLEMS = st.one_of(split_problems(), split_problems(q_scale=1000.0))
 
 # ---- named cases -----------------------------------------------------------------------------------------
 
-def named_case(kind, raw, kv_store="NHD", num_kv_heads=None) -> LayoutCase:
+def named_case(kind, raw, kv_pool="NHD", num_kv_heads=None) -> LayoutCase:
     """The :class:`LayoutCase` of ``ba.layouts.<kind>(**raw)``, for cases written out by hand."""
-    return LayoutCase(kind, raw, getattr(ba.layouts, kind)(**raw), kv_store, num_kv_heads)
+    return LayoutCase(kind, raw, getattr(ba.layouts, kind)(**raw), kv_pool, num_kv_heads)
 
 
-def _edge(kind, layout_fn, kv_store, raw, hq=2, hkv=1, head_dim=8, variant=ba.Variant(), num_kv_heads=None):
-    case = LayoutCase(kind, raw, layout_fn(**raw), kv_store, num_kv_heads)
+def _edge(kind, layout_fn, kv_pool, raw, hq=2, hkv=1, head_dim=8, variant=ba.Variant(), num_kv_heads=None):
+    case = LayoutCase(kind, raw, layout_fn(**raw), kv_pool, num_kv_heads)
     return Problem(case, hq, hkv, head_dim, variant, seed=7)
 
 
@@ -295,10 +295,10 @@ PAGED = dict(qo_lens=[3, 1, 2], page_tables=[[5, 1, 7, 2], [0, 3], [6, 4]], kv_l
              num_pages=8)
 
 
-def paged_problem(variant=ba.Variant(causal=True), hq=4, hkv=2, kv_store="NHD", seed=3, **raw) -> Problem:
+def paged_problem(variant=ba.Variant(causal=True), hq=4, hkv=2, kv_pool="NHD", seed=3, **raw) -> Problem:
     """Three requests over shuffled pages of 8 (full, partial and shared-nothing pages), head_dim 8; ``raw``
     overrides :data:`PAGED`'s fields."""
-    return Problem(named_case("paged", {**PAGED, **raw}, kv_store), hq, hkv, 8, variant, seed)
+    return Problem(named_case("paged", {**PAGED, **raw}, kv_pool), hq, hkv, 8, variant, seed)
 
 
 EDGE_CASES = {

@@ -124,7 +124,7 @@ def test_every_variant_field(variant):
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2), (6, 1)])
 @pytest.mark.parametrize("storage", ["NHD", "HND"])
 def test_gqa_ratios_and_storage(hq, hkv, storage):
-    _check(paged_problem(hq=hq, hkv=hkv, kv_store=storage))
+    _check(paged_problem(hq=hq, hkv=hkv, kv_pool=storage))
 
 
 def test_three_d_kv_for_block_size_one():

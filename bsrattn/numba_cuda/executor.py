@@ -78,7 +78,7 @@ def persistent_kernel(cfg: Config):
         kv_tiles = cuda.shared.array((2, tile_kv, row_stride), word)   # the gathered K and V rows
         weights = cuda.shared.array((2, max_nq, tile_kv), compute)     # scores s, then probabilities p
         state = cuda.shared.array((5, max_nq), compute)                # per query: m, m_new, l, alpha, bad
-        tile_rows_s = cuda.shared.array(tile_kv, np.int64)
+        kv_rows_s = cuda.shared.array(tile_kv, np.int64)
         seen = cuda.shared.array(seen_shape, np.uint8)                 # visible (query, key) pairs of a tile
         k_tile, v_tile = kv_tiles[0], kv_tiles[1]
         s_tile, p_tile = weights[0], weights[1]
@@ -98,18 +98,18 @@ def persistent_kernel(cfg: Config):
             for q_row0 in range(item_q0, item_q1, tile_rows):
                 nq = min(tile_rows, item_q1 - q_row0) * group
                 load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head)
-                resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
+                resolve_rows(t, kv_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
                              kv_head, kv_start, kv_end)
                 cuda.syncthreads()
-                load_rows(t, k_staged, v_staged, k_words, v_words, tile_rows_s)
-                cuda.syncthreads()  # every thread has read tile_rows_s before it is overwritten
+                load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows_s)
+                cuda.syncthreads()  # every thread has read kv_rows_s before it is overwritten
                 store_rows(t, k_staged, v_staged, k_tile, v_tile)
-                resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
+                resolve_rows(t, kv_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
                              kv_head, kv_start + tile_kv, kv_end)
                 cuda.syncthreads()
                 for kv0 in range(kv_start, kv_end, tile_kv):
                     # Issue the next tile's loads now; they travel while this tile is computed.
-                    load_rows(t, k_staged, v_staged, k_words, v_words, tile_rows_s)
+                    load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows_s)
                     scores(t, s_tile, seen, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len,
                            kv_head, score_scale, window_left, cap, alibi_slopes, mask_indptr[r], mask)
                     cuda.syncthreads()
@@ -118,7 +118,7 @@ def persistent_kernel(cfg: Config):
                     accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, seen, v_el, nq)
                     cuda.syncthreads()
                     store_rows(t, k_staged, v_staged, k_tile, v_tile)
-                    resolve_rows(t, tile_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size,
+                    resolve_rows(t, kv_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size,
                                  num_kv_heads, kv_head, kv0 + 2 * tile_kv, kv_end)
                     cuda.syncthreads()
                 flag_rows(t, acc, bad, nq)

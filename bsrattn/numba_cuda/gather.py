@@ -92,9 +92,9 @@ def make_gather(cfg):
     dense, hnd = cfg.dense, cfg.kv_hnd
 
     @device
-    def resolve_rows(t, tile_rows, kv_indices, row_block_start, row_slot_start, block_size, num_kv_heads, kv_head,
+    def resolve_rows(t, kv_rows, kv_indices, row_block_start, row_slot_start, block_size, num_kv_heads, kv_head,
                      kv0, kv_end):
-        """Thread ``t``'s share of ``tile_rows [tile_kv]`` (shared) <- the storage row of logical slot ``kv0 + j``
+        """Thread ``t``'s share of ``kv_rows [tile_kv]`` (shared) <- the storage row of logical slot ``kv0 + j``
         of the block row, -1 past its end."""
         for j in range(t, tile_kv, threads):
             i = kv0 + j
@@ -108,11 +108,11 @@ def make_gather(cfg):
                     row = hnd_row(slot, kv_head, num_kv_heads, block_size)
                 else:
                     row = nhd_row(slot, kv_head, num_kv_heads)
-            tile_rows[j] = row
+            kv_rows[j] = row
 
     @device
-    def load_rows(t, k_staged, v_staged, k_words, v_words, tile_rows):
-        """Thread ``t``'s words of the rows ``tile_rows`` of ``k_words, v_words [rows, row_words]`` into its
+    def load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows):
+        """Thread ``t``'s words of the rows ``kv_rows`` of ``k_words, v_words [rows, row_words]`` into its
         registers ``k_staged, v_staged [words_per_thread]`` (local); rows past the end read as zero, so a zero
         weight never meets stale NaN bits.
 
@@ -123,7 +123,7 @@ def make_gather(cfg):
         n = 0
         while n < words_per_thread:  # while, not range(): see microkernel's note on Numba's range iterator
             e = t + n * threads
-            src = tile_rows[e // row_words] if e < tile_words else -1
+            src = kv_rows[e // row_words] if e < tile_words else -1
             if src >= 0:
                 k_staged[n] = k_words[src, e % row_words]
                 v_staged[n] = v_words[src, e % row_words]
