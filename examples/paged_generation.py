@@ -69,6 +69,8 @@ class PagedModel:
         the cache is a decode whose KV heads each read only the ``quest_budget`` pages :func:`select_pages`
         picks for them, layer by layer; the other chunks attend as before.
         """
+        if quest_budget is not None and prefix is not None:
+            raise ValueError("Quest selection over a shared prefix is not supported")
         requests = [r for r, _ in chunks]
         qo_lens = [len(ids) for _, ids in chunks]
         for r in requests:
@@ -81,8 +83,6 @@ class PagedModel:
         slots = torch.cat([self.cache.extend(r, n) for r, n in zip(requests, qo_lens)])
         rows = torch.as_tensor(qo_lens).cumsum(0) - 1
         if any(decoding):
-            if prefix is not None:
-                raise ValueError("Quest selection over a shared prefix is not supported")
             decode = [(r, int(row)) for r, row, d in zip(requests, rows, decoding) if d]
             rest = [(r, n) for r, n, d in zip(requests, qo_lens, decoding) if not d]
             if rest:

@@ -11,8 +11,10 @@ of them.
 
 The cache only keeps the books (which pages, how many tokens) and the tensors; the model writes the new
 tokens' keys and values into it (:meth:`PagedKVCache.write`) at the slots :meth:`PagedKVCache.extend` gives
-out, and attends with :class:`~bsrattn.BatchAttention` over :meth:`PagedKVCache.layout`. ``examples/
-paged_generation.py`` drives a transformers model this way. Needs torch.
+out, and attends with :class:`~bsrattn.BatchAttention` over :meth:`PagedKVCache.layout`. Speculative decoding
+takes a step's :meth:`PagedKVCache.tree` layout and keeps an accepted branch (:meth:`PagedKVCache.keep`);
+Quest's per-head page selection reads a pool stored HND through :meth:`PagedKVCache.quest`. The serving loop
+of ``examples/paged_generation.py`` drives a transformers model this way. Needs torch.
 """
 
 from __future__ import annotations
