@@ -187,6 +187,12 @@ def quest_attention(attention, cache, layer, requests, q, budget, sm_scale):
     return attention.run(qh, kh, vh).reshape(len(requests), heads, head_dim)
 
 
+def _eos_tokens(model) -> set:
+    """The end-of-sequence tokens ``model.generate`` stops at (its ``generation_config``)."""
+    eos = model.generation_config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
 def generate(model, prompts, max_new_tokens, *, arrivals=None, system_prompt=None, quest_budget=None,
              num_pages=64, page_size=16, backend=None) -> list:
     """Greedy continuous batching: request ``i`` joins at step ``arrivals[i]`` with ``prompts[i]`` (token ids),
@@ -195,8 +201,7 @@ def generate(model, prompts, max_new_tokens, *, arrivals=None, system_prompt=Non
     each request's new tokens. With a ``quest_budget``, decode steps read only that many pages per KV head and
     layer (:func:`select_pages`), an approximation that is exact once the budget covers a request's pages."""
     engine = PagedModel(model, num_pages, page_size, backend, kv_layout="NHD" if quest_budget is None else "HND")
-    eos = model.generation_config.eos_token_id
-    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    eos = _eos_tokens(model)
     arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
     prefix = None
     if system_prompt is not None:
@@ -254,8 +259,7 @@ def generate_speculative(model, prompts, max_new_tokens, *, arrivals=None, propo
     :func:`propose`'s prompt lookup). Returns ``(tokens, steps)``."""
     proposer = proposer or (lambda request, history: propose(history))
     engine = PagedModel(model, num_pages, page_size, backend)
-    eos = model.generation_config.eos_token_id
-    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    eos = _eos_tokens(model)
     arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
     history = [list(map(int, p)) for p in prompts]
     tokens = [[] for _ in prompts]
