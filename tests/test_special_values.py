@@ -270,27 +270,37 @@ def test_no_launch_depends_on_what_an_earlier_one_left(tier):
     check(tier, (tier.numpy(o), tier.numpy(s)), want, "after garbage")
 
 
-def test_threads_sharing_one_batch_attention_each_get_their_answer(tier):
-    variant = ba.Variant(causal=True)
-    attn = ba.BatchAttention(backend=tier.name)
-    attn.plan(paged_layout(), HQ, HKV, D, variant=variant, num_ctas=3, fixed_split_size=3)
-    pool = (NUM_PAGES, PAGE, HKV, D)
-    results, errors = {}, []
+def _in_threads(worker, count=4):
+    """``worker(seed)`` for ``seed < count``, each in its own thread, all at once; an exception in any fails."""
+    errors = []
 
-    def worker(seed):
+    def guarded(seed):
         try:
-            q, k, v = inputs(seed)
-            args = [tier.array(x, "float32") for x in (q, k.reshape(pool), v.reshape(pool))]
-            results[seed] = [tier.numpy(x) for x in attn.run(*args, return_lse=True)]
+            worker(seed)
         except Exception as err:  # noqa: BLE001 - reported in the main thread
             errors.append(err)
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    threads = [threading.Thread(target=guarded, args=(seed,)) for seed in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_threads_sharing_one_batch_attention_each_get_their_answer(tier):
+    variant = ba.Variant(causal=True)
+    attn = ba.BatchAttention(backend=tier.name)
+    attn.plan(paged_layout(), HQ, HKV, D, variant=variant, num_ctas=3, fixed_split_size=3)
+    pool = (NUM_PAGES, PAGE, HKV, D)
+    results = {}
+
+    def worker(seed):
+        q, k, v = inputs(seed)
+        args = [tier.array(x, "float32") for x in (q, k.reshape(pool), v.reshape(pool))]
+        results[seed] = [tier.numpy(x) for x in attn.run(*args, return_lse=True)]
+
+    _in_threads(worker)
     for seed, got in results.items():
         check(tier, got, expected(paged_views(variant), *inputs(seed)), f"thread {seed}")
 
@@ -299,30 +309,22 @@ def test_threads_making_one_shot_calls_at_once_each_get_their_answer(tier):
     """One-shot calls reuse idle buffers of earlier ones (the torch tier): two calls at once must never share
     them, whatever their plans. Each thread has its own lengths, so a shared plan would be a wrong answer."""
     variant = ba.Variant(causal=True)
-    results, errors = {}, []
+    results = {}
 
     def layout_of(seed):
         return ba.layouts.ragged([2 + seed, 5], [4 + 3 * seed, 9])
 
     def worker(seed):
-        try:
-            lay = layout_of(seed)
-            rng = np.random.default_rng(seed)
-            q, k, v = (rng.standard_normal((n, h, D)).astype(np.float32)
-                       for n, h in ((lay.nnz_qo, HQ), (lay.num_blocks, HKV), (lay.num_blocks, HKV)))
-            for _ in range(3):
-                got = ba.attention(*(tier.array(x, "float32") for x in (q, k, v)), lay, variant=variant,
-                                   backend=tier.name, return_lse=True)
-                results.setdefault(seed, []).append(([tier.numpy(x) for x in got], (q, k, v)))
-        except Exception as err:  # noqa: BLE001 - reported in the main thread
-            errors.append(err)
+        lay = layout_of(seed)
+        rng = np.random.default_rng(seed)
+        q, k, v = (rng.standard_normal((n, h, D)).astype(np.float32)
+                   for n, h in ((lay.nnz_qo, HQ), (lay.num_blocks, HKV), (lay.num_blocks, HKV)))
+        for _ in range(3):
+            got = ba.attention(*(tier.array(x, "float32") for x in (q, k, v)), lay, variant=variant,
+                               backend=tier.name, return_lse=True)
+            results.setdefault(seed, []).append(([tier.numpy(x) for x in got], (q, k, v)))
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _in_threads(worker)
     for seed, runs in results.items():
         for got, (q, k, v) in runs:
             want = ba.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), layout_of(seed),
