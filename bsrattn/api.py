@@ -84,7 +84,8 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
     out, lse : arrays, optional
         Buffers to write into.
     k_scale, v_scale : float, optional
-        Dequantisation scales of fp8 KV.
+        Scales of the stored K and V, of any KV dtype (fp8's dequantisation scales): scores are
+        taken with ``k * k_scale`` and outputs made of ``v * v_scale``. None: 1.
 
     Returns
     -------
@@ -279,7 +280,8 @@ class BatchAttention:
         return_lse : bool
             Also return ``lse``, float32, natural log.
         k_scale, v_scale : float, optional
-            Dequantisation scales of fp8 KV.
+            Scales of the stored K and V, of any KV dtype (fp8's dequantisation scales): scores are
+            taken with ``k * k_scale`` and outputs made of ``v * v_scale``. None: 1.
 
         Returns
         -------

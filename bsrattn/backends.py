@@ -103,7 +103,7 @@ class Backend:
         """Attention over ``spec.layout`` (one BSRLayout): ``(out, lse)``, ``lse`` None unless ``return_lse``.
 
         ``q [nnz_qo, num_qo_heads, head_dim]``, ``k``/``v`` as ``spec.kv_view`` says; ``out``/``lse`` are
-        buffers to write into, ``k_scale``/``v_scale`` the dequantisation scales of fp8 KV.
+        buffers to write into, ``k_scale``/``v_scale`` the scales of the stored K and V (any KV dtype).
 
         Parameters
         ----------
@@ -118,7 +118,8 @@ class Backend:
         return_lse : bool
             Whether to compute ``lse``.
         k_scale, v_scale : float, optional
-            Dequantisation scales of fp8 KV.
+            Scales of the stored K and V, of any KV dtype (fp8's dequantisation scales): scores are
+            taken with ``k * k_scale`` and outputs made of ``v * v_scale``. None: 1.
 
         Returns
         -------

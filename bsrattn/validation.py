@@ -164,8 +164,6 @@ def _check_dtypes(q, k, v, k_scale, v_scale):
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
             continue
-        if kd not in FP8_DTYPES:
-            raise ValueError(f"{name} applies to fp8 KV only; k/v have dtype {kd}")
         if not as_real(name, scale) > 0:
             raise ValueError(f"{name} must be a positive float, got {scale!r}")
 

@@ -206,6 +206,28 @@ def test_batch_attention_split_modes(backend, options):
     assert (work_plan.num_merges > 0) == (not options.get("disable_split_kv", False))
 
 
+@pytest.mark.parametrize("plan", [None, dict(num_ctas=3, fixed_split_size=5)], ids=["one-shot", "split plan"])
+def test_kv_scales_on_any_kv_dtype(backend, plan):
+    """``k_scale``/``v_scale`` with float KV (not only fp8): the scores are those of ``k * k_scale`` and the
+    output is made of ``v * v_scale``, through a one-shot call and a split plan alike."""
+    problem = paged_problem()
+    scales = dict(k_scale=0.6, v_scale=1.7)
+    for dtype in backend.dtypes:
+        if plan is None:
+            def run(q, k, v, kv_layout):
+                return ba.attention(*(backend.array(x, dtype) for x in (q, k, v)), problem.case.layout,
+                                    variant=problem.variant, kv_layout=kv_layout, backend=backend.name,
+                                    return_lse=True, **scales)
+        else:
+            attn = ba.BatchAttention(backend=backend.name)
+
+            def run(q, k, v, kv_layout):
+                attn.plan(problem.case.layout, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim,
+                          variant=problem.variant, kv_layout=kv_layout, **plan)
+                return attn.run(*(backend.array(x, dtype) for x in (q, k, v)), return_lse=True, **scales)
+        check_attention(run, problem, dtype, **scales, name=f"{backend.name} {dtype} scaled KV")
+
+
 def test_batch_attention_cascade(backend):
     problem = EDGE_CASES["shared prefix, empty suffix"]
     for options in (dict(num_ctas=4), dict(num_ctas=2, fixed_split_size=3)):

@@ -155,8 +155,6 @@ CASES = {
     "fp8 KV with a float32 q": (
         lambda: attention(*arrays(f32, ml_dtypes.float8_e4m3fn)), TypeError,
         r"fp8 KV \(float8_e4m3fn\) needs a float16 or bfloat16 q, got float32"),
-    "scales on non-fp8 KV": (lambda: attention(*arrays(f16), k_scale=0.5), ValueError,
-                             r"k_scale applies to fp8 KV only; k/v have dtype float16"),
     "non-positive fp8 scale": (lambda: attention(*arrays(f16, ml_dtypes.float8_e5m2), v_scale=-1.0), ValueError,
                                r"v_scale must be a positive float, got -1.0"),
     # ---- outputs and lse --------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The load module, as NumPy: which pool slots a (row, KV range) reads, and the KV rows at those slots.
 
 A kernel gathers the selected KV rows into fast memory before its dense microkernel; here the "fast
-memory" is a NumPy array. FP8 KV is dequantised on load (``x.astype(f64) * scale``), which is the spec the
-fp8 paths of the other tiers must match.
+memory" is a NumPy array. KV is scaled on load (``x.astype(f64) * scale``: fp8's dequantisation, or the
+``k_scale``/``v_scale`` of any KV dtype), which is the spec the other tiers' scales must match.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from bsrattn.validation import AttentionSpec
 def kv_as_slots(x, spec: AttentionSpec, scale=None, dtype=np.float64) -> np.ndarray:
     """``k`` or ``v`` in any accepted storage as ``[num_slots, num_kv_heads, head_dim]`` in ``dtype``.
 
-    ``scale`` multiplies fp8 KV after the cast (``k_scale``/``v_scale``, 1 when None).
+    ``scale`` multiplies the KV after the cast (``k_scale``/``v_scale``, of any KV dtype; 1 when None).
     """
     x = np.asarray(x)
     if spec.kv_view == "HND":
         x = x.transpose(0, 2, 1, 3)
     x = x.reshape(-1, spec.num_kv_heads, spec.head_dim).astype(dtype, copy=False)
-    if spec.kv_is_fp8 and scale is not None:
+    if scale is not None:
         x = x * dtype(scale)
     return x
 
