@@ -26,7 +26,7 @@ is accepted, plus its next token, and its keys are moved into place in the cache
 
 Run it on a random tiny Llama (the tokens are compared with ``model.generate``'s)::
 
-    python examples/paged_generation.py [--backend reference|numba|torch]
+    python examples/paged_generation.py [--backend reference|torch]
 """
 
 from __future__ import annotations
