@@ -7,7 +7,15 @@ For a query at position ``q_pos`` and a key at ``k_pos`` (logical positions, see
 3. ALiBi: ``s = s + slope[h] * (k_pos - q_pos)`` when ``alibi_slopes`` is given
 4. masks: the key is dropped unless it is causal-visible (``k_pos <= q_pos``), inside the window
    (``q_pos - k_pos <= window_left``) and set in the layout's custom mask
-5. softmax over the visible keys, or FlashSigmoid: weights ``sigmoid(s + sigmoid_bias)``, not normalised.
+5. softmax over the visible keys, or FlashSigmoid: weights ``sigmoid(s + sigmoid_bias)``, not normalised;
+6. attention sinks (``sinks``, softmax only): head ``h``'s learned logit ``sink[h]`` joins the softmax's
+   denominator and receives no value::
+
+       out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink[h])),  lse = log(sum_j exp(s_j) + exp(sink[h]))
+
+   That is the state ``(o = 0, lse = sink[h])`` merged with ⊕ into the row's state once, after every split
+   chunk and cascade level has been merged (:mod:`bsrattn.api`): a row with no visible key gets ``out = 0``,
+   ``lse = sink[h]``.
 """
 
 from __future__ import annotations
@@ -46,6 +54,19 @@ def as_real(name: str, value: Any) -> float:
     return float(value)
 
 
+def _per_head(name: str, values) -> tuple:
+    """``values`` as a tuple of finite floats, one per query head; ``TypeError`` or ``ValueError`` naming ``name``."""
+    try:
+        arr = np.asarray(values)
+    except ValueError:  # a ragged nested sequence
+        arr = None
+    if arr is None or arr.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must be a sequence of real numbers, got {values!r}")
+    if arr.ndim != 1 or not np.isfinite(arr).all():
+        raise ValueError(f"{name} must be a 1-D finite [num_qo_heads] sequence, got shape {arr.shape}")
+    return tuple(float(x) for x in arr)
+
+
 @dataclass(frozen=True)
 class Variant:
     """How scores become weights.
@@ -67,6 +88,9 @@ class Variant:
         ``[num_qo_heads]`` slopes; bias ``slope * (k_pos - q_pos)``.
     sigmoid_bias : float, optional
         FlashSigmoid: weights ``sigmoid(score + bias)`` with no normalisation; ``lse`` is then undefined.
+    sinks : sequence of float, optional
+        ``[num_qo_heads]`` attention-sink logits (gpt-oss, StreamingLLM): each joins its head's softmax
+        denominator and receives no value (step 6 above). Not with ``sigmoid_bias``.
 
     Examples
     --------
@@ -82,6 +106,7 @@ class Variant:
     logits_soft_cap: float = 0.0
     alibi_slopes: tuple | None = None
     sigmoid_bias: float | None = None
+    sinks: tuple | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -101,21 +126,16 @@ class Variant:
         if not math.isfinite(cap) or cap < 0:
             raise ValueError(f"logits_soft_cap must be >= 0 and finite (0 disables it), got {self.logits_soft_cap}")
         set_(self, "logits_soft_cap", cap)
-        if self.alibi_slopes is not None:
-            try:
-                slopes = np.asarray(self.alibi_slopes)
-            except ValueError:  # a ragged nested sequence
-                slopes = None
-            if slopes is None or slopes.dtype.kind not in "iuf":
-                raise TypeError(f"alibi_slopes must be a sequence of real numbers, got {self.alibi_slopes!r}")
-            if slopes.ndim != 1 or not np.isfinite(slopes).all():
-                raise ValueError(f"alibi_slopes must be a 1-D finite [num_qo_heads] sequence, got shape {slopes.shape}")
-            set_(self, "alibi_slopes", tuple(float(s) for s in slopes))
+        for name in ("alibi_slopes", "sinks"):
+            if getattr(self, name) is not None:
+                set_(self, name, _per_head(name, getattr(self, name)))
         if self.sigmoid_bias is not None:
             bias = as_real("sigmoid_bias", self.sigmoid_bias)
             if not math.isfinite(bias):
                 raise ValueError(f"sigmoid_bias must be finite, got {self.sigmoid_bias}")
             set_(self, "sigmoid_bias", bias)
+            if self.sinks is not None:
+                raise ValueError("sinks join a softmax's denominator; FlashSigmoid (sigmoid_bias) has none")
 
     @property
     def use_sigmoid(self) -> bool:
@@ -152,10 +172,12 @@ class Variant:
         Raises
         ------
         ValueError
-            ``alibi_slopes`` without one slope per query head.
+            ``alibi_slopes`` or ``sinks`` without one value per query head.
         """
-        if self.alibi_slopes is not None and len(self.alibi_slopes) != num_qo_heads:
-            raise ValueError(f"alibi_slopes has {len(self.alibi_slopes)} entries, num_qo_heads is {num_qo_heads}")
+        for name in ("alibi_slopes", "sinks"):
+            values = getattr(self, name)
+            if values is not None and len(values) != num_qo_heads:
+                raise ValueError(f"{name} has {len(values)} entries, num_qo_heads is {num_qo_heads}")
 
     def position_mask(self, qo_len: int, kv_len: int, kv_start: int = 0, kv_end: int | None = None) -> np.ndarray:
         """``[qo_len, kv_end - kv_start]`` bool: the causal / window mask of one row's keys in a range.

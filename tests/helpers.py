@@ -229,7 +229,8 @@ def naive_attention(problem, q, k, v, variant=None, dtype="float64"):
     with ``dtype`` the same attention done naively in that precision (``bsrattn.testing.naive_attention_row``).
 
     Returns ``out [n, Hq, D]`` and ``lse [n, Hq]`` (natural log; ``-inf`` and ``out = 0`` for a query that
-    sees nothing; ``lse = nan`` for FlashSigmoid).
+    sees nothing; ``lse = nan`` for FlashSigmoid). Attention sinks join each head's softmax denominator by their
+    definition, ``lse' = log(exp(lse) + exp(sink))`` and ``out' = out exp(lse) / exp(lse')``, not through ⊕.
     """
     case = problem.case
     variant = problem.variant if variant is None else variant
@@ -245,6 +246,9 @@ def naive_attention(problem, q, k, v, variant=None, dtype="float64"):
             view = per_head[g] if len(per_head) > 1 else per_head[0]
             slope = None if variant.alibi_slopes is None else variant.alibi_slopes[h]
             out[i, h], lse[i, h] = _naive_query(q[i, h], K[:, g], V[:, g], view, variant, scale, slope, dtype)
+    if variant.sinks is not None:
+        total = np.logaddexp(lse, np.asarray(variant.sinks)[None, :])
+        out, lse = out * np.exp(lse - total)[..., None], total
     return out, lse
 
 

@@ -250,6 +250,7 @@ VARIANT_FIELDS = {
     "alibi slopes of bools": (dict(alibi_slopes=[True]), r"alibi_slopes must be a sequence of real numbers"),
     "sm_scale a bool": (dict(sm_scale=True), r"sm_scale must be a real number, got True"),
     "window_left a float": (dict(window_left=2.0), r"window_left must be an int, got 2\.0"),
+    "sinks a string": (dict(sinks="x"), r"sinks must be a sequence of real numbers, got 'x'"),
 }
 
 

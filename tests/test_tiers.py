@@ -15,7 +15,7 @@ tiers draw few, tiny examples (``TIER_EXAMPLES``). Real sizes run in ``test_tier
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -226,6 +226,26 @@ def test_kv_scales_on_any_kv_dtype(backend, plan):
                           variant=problem.variant, kv_layout=kv_layout, **plan)
                 return attn.run(*(backend.array(x, dtype) for x in (q, k, v)), return_lse=True, **scales)
         check_attention(run, problem, dtype, **scales, name=f"{backend.name} {dtype} scaled KV")
+
+
+SINKS = (0.7, -1.5, 2.5, 0.0)
+"""One attention-sink logit per query head of the problems below (4 query heads): above, below and beside the
+scores, which are of order 1."""
+
+
+@pytest.mark.parametrize("how", ["one-shot", "split plan", "cascade", "empty row"])
+def test_attention_sinks_join_the_denominator_once(backend, how):
+    """A sink joins each head's softmax denominator once, however the row is cut (split chunks, cascade levels)
+    and even with no visible key (out 0, lse the sink), through ``ba.attention`` and ``BatchAttention`` alike."""
+    base = EDGE_CASES["shared prefix, empty suffix"] if how == "cascade" else (
+        EDGE_CASES["empty row"] if how == "empty row" else paged_problem())
+    problem = replace(base, variant=replace(base.variant, sinks=SINKS[:base.num_qo_heads]))
+    for dtype in backend.dtypes:
+        if how in ("one-shot", "empty row"):
+            check_attention(attention_call(backend, problem, dtype), problem, dtype, name=f"{backend.name} {how}")
+        run, attn = batch_call(backend, problem, dtype, dict(num_ctas=3, fixed_split_size=2))
+        check_attention(run, problem, dtype, name=f"{backend.name} {how} planned")
+        assert how == "empty row" or any(p.num_merges for p in attn.work_plans), "the plan must split rows"
 
 
 def test_batch_attention_cascade(backend):

@@ -118,6 +118,13 @@ CASES = {
     "sm_scale not positive": (lambda: ba.Variant(sm_scale=0.0), ValueError, r"sm_scale must be a positive"),
     "negative soft cap": (lambda: ba.Variant(logits_soft_cap=-1.0), ValueError, r"logits_soft_cap must be >= 0"),
     "causal not a bool": (lambda: ba.Variant(causal=1), TypeError, r"causal must be a bool"),
+    "sinks for the wrong head count": (
+        lambda: attention(*arrays(), variant=ba.Variant(sinks=[0.5, 1.0])), ValueError,
+        r"sinks has 2 entries, num_qo_heads is 4"),
+    "a NaN sink": (lambda: ba.Variant(sinks=[0.0, float("nan")]), ValueError,
+                   r"sinks must be a 1-D finite \[num_qo_heads\] sequence"),
+    "sinks with FlashSigmoid": (lambda: ba.Variant(sinks=[0.0], sigmoid_bias=0.0), ValueError,
+                                r"sinks join a softmax's denominator; FlashSigmoid \(sigmoid_bias\) has none"),
     "alibi_slopes for the wrong head count": (
         lambda: attention(*arrays(), variant=ba.Variant(alibi_slopes=[0.5, 0.25, 0.125])), ValueError,
         r"alibi_slopes has 3 entries, num_qo_heads is 4"),
