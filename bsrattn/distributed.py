@@ -173,13 +173,18 @@ class Shard:
         Raises
         ------
         ValueError
-            ``variant.alibi_slopes`` is set: ALiBi's bias depends on positions and is not supported here.
+            ``variant.alibi_slopes`` is set: ALiBi's bias depends on positions and is not supported here; or
+            ``variant.sinks``, which every rank would count.
         """
         variant = Variant() if variant is None else variant
         if variant.alibi_slopes is not None:
             raise ValueError("variant.alibi_slopes is set: ALiBi adds slope * (k_pos - q_pos) to the scores, a "
                              "function of global positions that a shard's layout cannot carry; bsrattn.distributed "
                              "does not support it")
+        if variant.sinks is not None:
+            raise ValueError("variant.sinks is set: each rank's attention would count the sinks once more in the "
+                             "merge of the ranks' states; plan without them and merge (0, sinks) into the result "
+                             "with ba.merge_state once")
         if not variant.causal and variant.window_left < 0:
             return self.layout, variant
         lay = self.layout

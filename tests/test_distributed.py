@@ -280,6 +280,12 @@ def test_shard_errors_name_the_argument():
         distributed.Shard(part.layout, [0, 1, 2], part.kv_lens, 0, 2)
 
 
+def test_sinks_are_refused_since_every_rank_would_count_them():
+    part = distributed.shard([1], [7], rank=0, world_size=2)
+    with pytest.raises(ValueError, match="variant.sinks is set: each rank's attention would count the sinks"):
+        part.attention_layout(ba.Variant(sinks=[0.5] * NUM_QO_HEADS))
+
+
 def test_decode_needs_no_mask_and_prefill_masks_global_positions():
     part = distributed.shard([1, 3], [7, 7], rank=1, world_size=2, sharding="interleaved")   # positions 1, 3, 5
     decode, variant = distributed.shard([1], [7], rank=1, world_size=2, sharding="interleaved") \
