@@ -253,9 +253,8 @@ def test_an_additive_float_mask_is_read_as_a_mask():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dropout=0.1), r"dropout=0\.1: bsrattn's attention has no dropout"),
-    (dict(s_aux=torch.zeros(8)), r"s_aux is given: bsrattn does not compute attention sinks"),
     (dict(position_bias=torch.zeros(1, 8, 5, 9)), r"position_bias is given"),
-], ids=["dropout", "sinks", "position_bias"])
+], ids=["dropout", "position_bias"])
 def test_what_bsrattn_does_not_compute_is_refused(kwargs, message):
     query, key, value = _qkv()
     with pytest.raises(ValueError, match=message):
@@ -308,3 +307,32 @@ def test_import_bsrattn_imports_neither_transformers_nor_torch():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+# ---- attention sinks (gpt-oss) -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    """A tiny random gpt-oss: attention sinks in every layer, sliding-window and full layers alternating."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no gpt-oss (it arrived in 4.55)")
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                       num_experts_per_tok=2, sliding_window=8, max_position_embeddings=128,
+                                       attn_implementation="eager")
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)  # zero at init: make them matter
+    return model
+
+
+def test_gpt_oss_sinks_give_hf_eager_attentions_logits_and_tokens(gpt_oss):
+    """HF's eager attention is the only one of its own that computes gpt-oss's sinks: bsrattn's must agree, for
+    teacher-forced logits over sliding and full layers and for greedy generation."""
+    ids = _ids(2, 20)
+    want, got = (_forward(gpt_oss, impl, ids).logits for impl in ("eager", bsrattn_hf.NAME))
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGITS_ATOL)
+    want, got = (_generate(gpt_oss, impl, ids[:1]) for impl in ("eager", bsrattn_hf.NAME))
+    assert torch.equal(got, want)

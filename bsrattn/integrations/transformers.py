@@ -28,10 +28,10 @@ row) gets 0. Masks that differ between heads are refused.
 
 **Variants.** ``scaling`` is ``sm_scale``; the model's causality (the ``is_causal`` argument, else the
 module's attribute), ``sliding_window`` (the argument, else the module's attribute; HF's window of ``w``
-keys is ``window_left = w - 1``) and ``softcap`` (Gemma 2's ``attn_logit_softcapping``) become the
-:class:`~bsrattn.Variant`. Refused with a ``ValueError``: ``dropout`` other than 0 (train with another
-implementation, or call ``model.eval()``), attention sinks (``s_aux``) and additive position biases
-(``position_bias``). Attention weights are never returned (``None``, as SDPA returns them).
+keys is ``window_left = w - 1``), ``softcap`` (Gemma 2's ``attn_logit_softcapping``) and attention sinks
+(gpt-oss's ``s_aux``, read to the host once per layer's tensor) become the :class:`~bsrattn.Variant`. Refused
+with a ``ValueError``: ``dropout`` other than 0 (train with another implementation, or call ``model.eval()``)
+and additive position biases (``position_bias``). Attention weights are never returned (``None``, as SDPA returns them).
 
 **One plan per step.** HF calls the attention function once per layer with the same shapes and the same mask
 object, so the :class:`~bsrattn.BatchAttention` plan (the inspector, host work) is computed on a step's first
@@ -74,7 +74,7 @@ PLANS_KEPT = 8
 """Plans each registered attention keeps, the most recently used."""
 
 # Arguments some models pass that change the attention's result in ways bsrattn does not compute.
-_REFUSED = {"s_aux": "attention sinks", "position_bias": "an additive position bias"}
+_REFUSED = {"position_bias": "an additive position bias"}
 
 
 def register(backend=None) -> str:
@@ -241,6 +241,17 @@ class _Attention:
     def __init__(self, backend):
         self.backend = backend
         self.plans = _Plans(PLANS_KEPT)
+        self._sinks: dict = {}  # id of a layer's sinks tensor -> (a weak reference to it, its version, its values)
+
+    def sinks(self, s_aux) -> tuple:
+        """The values of a layer's attention sinks (``s_aux``, ``[num_qo_heads]``), read to the host once per
+        tensor and again only when it changes in place (a training step)."""
+        held = self._sinks.get(id(s_aux))
+        # A freed tensor's id may be another's now; its dead reference tells them apart.
+        if held is None or held[0]() is not s_aux or held[1] != s_aux._version:
+            held = self._sinks[id(s_aux)] = (weakref.ref(s_aux), s_aux._version,
+                                             tuple(s_aux.detach().float().cpu().tolist()))
+        return held[2]
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                  softcap=None, is_causal=None, **kwargs):
@@ -258,9 +269,11 @@ class _Attention:
                              f"expected query [B, Hq, S_q, D] and key, value [B, Hkv, S_kv, D]")
         num_kv_heads, kv_len = key.shape[1], key.shape[2]
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+        s_aux = kwargs.get("s_aux")
         variant = Variant(sm_scale=scaling,
                           causal=bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)),
-                          window_left=window - 1 if window else -1, logits_soft_cap=softcap or 0.0)
+                          window_left=window - 1 if window else -1, logits_soft_cap=softcap or 0.0,
+                          sinks=None if s_aux is None else self.sinks(s_aux))
         backend = get_backend(self.backend)
         signature = (backend.name, query.device, batch, num_qo_heads, num_kv_heads, qo_len, kv_len, head_dim,
                      query.dtype, key.dtype, variant)
