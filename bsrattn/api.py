@@ -5,15 +5,13 @@ from __future__ import annotations
 import operator
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from bsrattn import scheduler
 from bsrattn._types import Array, DType
 from bsrattn.backends import Backend, get_backend
 from bsrattn.layout import BSRLayout, Cascade
-from bsrattn.state import write_into
-from bsrattn.validation import FLOAT_DTYPES, AttentionSpec, check_array, dtype_name, lse_dtype, make_spec, \
-    shape_of, spec_from_inputs
+from bsrattn.state import merge_sinks, write_into
+from bsrattn.validation import FLOAT_DTYPES, AttentionSpec, check_array, dtype_name, make_spec, shape_of, \
+    spec_from_inputs
 from bsrattn.variant import Variant
 
 if TYPE_CHECKING:
@@ -49,7 +47,7 @@ def _reusable(spec, variant) -> bool:
 
 def _merge_levels(backend, states, variant, out, lse, sink_rows=None):
     """Fold the levels' states in level order with ⊕ (or by addition for FlashSigmoid), then the sinks
-    (``sink_rows``: where their per-head tensors are kept between calls, see :func:`_with_sinks`)."""
+    (``sink_rows``: where their state is kept between calls, see :func:`~bsrattn.state.merge_sinks`)."""
     o, s = states[0]
     for o_b, s_b in states[1:]:
         if variant.use_sigmoid:
@@ -57,29 +55,8 @@ def _merge_levels(backend, states, variant, out, lse, sink_rows=None):
         else:
             o, s = backend.merge_state(o, s, o_b, s_b)
     if variant.sinks is not None:
-        o, s = _with_sinks(backend, o, s, variant.sinks, {} if sink_rows is None else sink_rows)
+        o, s = merge_sinks(backend, o, s, variant.sinks, sink_rows)
     return write_into(o, s, out, lse)
-
-
-def _with_sinks(backend, o, s, sinks, sink_rows):
-    """``(o, s) ⊕ (0, sink[h])``: the sinks join each row's denominator once (see :mod:`bsrattn.variant`).
-
-    The sink state is made beside ``o``: a zero output of its dtype and kind (a torch tensor on its device,
-    else NumPy, which a tier moves where it needs it) and ``lse`` the head's sink, in ``s``'s dtype. A torch
-    tensor of the sinks is kept in ``sink_rows`` for later calls: made once, eagerly, it is only read when a
-    CUDA graph captures a later call (a copy from the host could not be captured).
-    """
-    shape = tuple(int(n) for n in s.shape)
-    if hasattr(o, "new_zeros"):  # a torch tensor
-        zero = o.new_zeros(o.shape)
-        key = (sinks, s.device, s.dtype)
-        if key not in sink_rows:
-            sink_rows[key] = s.new_tensor(sinks)
-        sink = sink_rows[key].expand(shape)
-    else:
-        zero = np.zeros(shape_of(o), dtype=o.dtype)
-        sink = np.broadcast_to(np.asarray(sinks, dtype=lse_dtype(s)), shape)
-    return backend.merge_state(o, s, zero, sink)
 
 
 def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, variant: Variant | None = None,
@@ -200,7 +177,7 @@ class BatchAttention:
         self._args: tuple = ()
         self._specs: list = []
         self._runners: list = []
-        self._sink_rows: dict = {}  # (sinks, device, dtype) -> the sinks as a tensor there (_with_sinks)
+        self._sink_rows: dict = {}  # the sinks' state, kept between calls (state.merge_sinks)
 
     def plan(self, layout: BSRLayout | Cascade, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
              variant: Variant | None = None, q_dtype: DType | None = None, kv_dtype: DType | None = None,

@@ -75,6 +75,7 @@ except ImportError as err:
 from bsrattn import indexing, layouts
 from bsrattn.api import BatchAttention, merge_states
 from bsrattn.layout import BSRLayout, as_index_array, as_int
+from bsrattn.state import merge_sinks
 from bsrattn.validation import FLOAT_DTYPES, dtype_name, shape_of
 from bsrattn.variant import Variant
 
@@ -165,7 +166,9 @@ class Shard:
     def attention_layout(self, variant=None) -> tuple:
         """``(layout, variant)`` this rank's tier runs: causal and window masks over global positions.
 
-        A variant without ``causal`` or ``window_left`` comes back as it is, with :attr:`layout`. Otherwise
+        The variant comes back without its ``sinks``: they are merged once into the ranks' merged state, not by
+        every rank's attention. A variant without ``causal`` or ``window_left`` otherwise comes back as it is,
+        with :attr:`layout`. Otherwise
         the masks become the layout's custom mask (combined with one the layout has), computed from
         :attr:`positions` and :attr:`kv_lens`, and the variant loses ``causal`` and ``window_left``; a mask
         that hides nothing (a decode step) is left out.
@@ -173,18 +176,14 @@ class Shard:
         Raises
         ------
         ValueError
-            ``variant.alibi_slopes`` is set: ALiBi's bias depends on positions and is not supported here; or
-            ``variant.sinks``, which every rank would count.
+            ``variant.alibi_slopes`` is set: ALiBi's bias depends on positions and is not supported here.
         """
         variant = Variant() if variant is None else variant
         if variant.alibi_slopes is not None:
             raise ValueError("variant.alibi_slopes is set: ALiBi adds slope * (k_pos - q_pos) to the scores, a "
                              "function of global positions that a shard's layout cannot carry; bsrattn.distributed "
                              "does not support it")
-        if variant.sinks is not None:
-            raise ValueError("variant.sinks is set: each rank's attention would count the sinks once more in the "
-                             "merge of the ranks' states; plan without them and merge (0, sinks) into the result "
-                             "with ba.merge_state once")
+        variant = replace(variant, sinks=None)  # merged once, after the ranks' states (ContextParallelAttention.run)
         if not variant.causal and variant.window_left < 0:
             return self.layout, variant
         lay = self.layout
@@ -381,6 +380,8 @@ class ContextParallelAttention:
         self.group = group
         self._attention = None
         self._sigmoid = False
+        self._sinks = None  # the variant's sinks, merged after the ranks' states
+        self._sink_state: dict = {}  # kept between calls (state.merge_sinks)
 
     def plan(self, shard, num_qo_heads, num_kv_heads, head_dim, *, variant=None, q_dtype=None, kv_dtype=None,
              kv_layout="NHD", num_ctas=None, fixed_split_size=None):
@@ -442,7 +443,7 @@ class ContextParallelAttention:
                 raise ValueError(f"ranks disagree on the plan: rank {r} has "
                                  + "; ".join(_difference(n, s["fingerprint"][n], reference[n]) for n in differing))
         self._check_coverage(gathered, shard)
-        self._attention, self._sigmoid = attention, variant.use_sigmoid
+        self._attention, self._sigmoid, self._sinks = attention, variant.use_sigmoid, variant.sinks
 
     def _check_coverage(self, gathered, shard):
         """Raise on every rank unless, per request, the ranks' key counts sum to ``kv_len`` and their position
@@ -521,6 +522,8 @@ class ContextParallelAttention:
         else:
             o_all, lse_all = np.ascontiguousarray(o_all.swapaxes(0, 1)), np.ascontiguousarray(lse_all.swapaxes(0, 1))
         out, lse = merge_states(o_all, lse_all, backend=self._attention.backend)
+        if self._sinks is not None:  # once, into the merged state: no rank's attention counts them
+            out, lse = merge_sinks(self._attention.backend, out, lse, self._sinks, self._sink_state)
         return (out, lse) if return_lse else out
 
     def _gather(self, states, device) -> tuple:

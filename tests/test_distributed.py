@@ -27,6 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import bsrattn as ba  # noqa: E402
 from bsrattn import distributed, testing  # noqa: E402
+from bsrattn.state import merge_sinks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available in this torch build")
@@ -41,6 +42,7 @@ CASES = {
     "prefill": ([3, 2], [9, 2], ba.Variant(causal=True)),
     "window": ([2, 1], [11, 5], ba.Variant(causal=True, window_left=3)),
     "sigmoid": ([1, 1], [7, 3], ba.Variant(sigmoid_bias=-1.0)),
+    "sinks": ([2, 1], [9, 1], ba.Variant(causal=True, sinks=(0.5, -1.0, 2.0, 0.0))),
 }
 TIERS = ("reference", "numba", "torch")
 
@@ -221,6 +223,8 @@ def _one_process(world, *, tier, sharding, case, dtype):
         return _numpy(out), None
     stack = torch.stack if tier == "torch" else np.stack
     out, lse = ba.merge_states(stack([o for o, _ in states], 1), stack([s for _, s in states], 1), backend=tier)
+    if variant.sinks is not None:  # the ranks' attention leaves them out; they join the merged state once
+        out, lse = merge_sinks(ba.get_backend(tier), out, lse, variant.sinks)
     return _numpy(out), _numpy(lse)
 
 
@@ -278,12 +282,6 @@ def test_shard_errors_name_the_argument():
     part = distributed.shard([1], [4], rank=0, world_size=2)
     with pytest.raises(ValueError, match="positions has 3 entries"):
         distributed.Shard(part.layout, [0, 1, 2], part.kv_lens, 0, 2)
-
-
-def test_sinks_are_refused_since_every_rank_would_count_them():
-    part = distributed.shard([1], [7], rank=0, world_size=2)
-    with pytest.raises(ValueError, match="variant.sinks is set: each rank's attention would count the sinks"):
-        part.attention_layout(ba.Variant(sinks=[0.5] * NUM_QO_HEADS))
 
 
 def test_decode_needs_no_mask_and_prefill_masks_global_positions():
