@@ -31,8 +31,9 @@ def compile_attention(q_dtype="float16", head_dim=128, group=4, tile_q=4, causal
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def _specialised(fn, args, kwargs):
-    """``(signature, constexprs, attrs)`` of ``fn`` for these arguments, as Triton's JIT makes them."""
+def specialised(fn, args, kwargs):
+    """``(signature, constexprs, attrs)`` of ``fn`` for these arguments, as Triton's JIT makes them (also the
+    sm_90 compile check of the tests, ``tests/test_torch_compile.py``)."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
@@ -74,7 +75,7 @@ def _compile(q_dtype, head_dim, group, tile_q, causal):
     _, args, kwargs = launch_args(q, k, v, torch.empty_like(q), torch.empty((32, hkv * group)), buffers, config,
                                   cfg.Scalars(head_dim ** -0.5, 1.0, 30.0, 0.0))
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages")}
-    source = ASTSource(persistent_attention, *_specialised(persistent_attention, args, kwargs))
+    source = ASTSource(persistent_attention, *specialised(persistent_attention, args, kwargs))
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 64), options=options)
     return {stage: kernel.asm[stage] for stage in ("ttgir", "ptx")}
 

@@ -43,25 +43,6 @@ MERGE_DTYPES = ("float16", "bfloat16", "float32")
 WORKERS = 2
 
 
-def _specialised(fn, args, kwargs):
-    """``(signature, constexprs, attrs)`` of ``fn`` for these arguments, as Triton's JIT would make them."""
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import native_specialize_impl
-
-    signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in kwargs:
-            signature[name], constexprs[name] = "constexpr", kwargs[name]
-            continue
-        kind, attr = native_specialize_impl(BaseBackend, args[i], False, True, True)
-        signature[name] = kind
-        if kind == "constexpr":
-            constexprs[name] = attr
-        elif attr:
-            attrs[(i,)] = BaseBackend.parse_attr(attr)
-    return signature, constexprs, attrs
-
-
 def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_size, flags):
     import torch
 
@@ -110,9 +91,11 @@ def _compile(fn, args, kwargs):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from notebooks.sm90 import specialised  # Triton's JIT specialisation, written once beside the notebook
+
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
-    signature, constexprs, attrs = _specialised(fn, args, kwargs)
+    signature, constexprs, attrs = specialised(fn, args, kwargs)
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 64),
                             options=options)
     ttgir = kernel.asm["ttgir"]
