@@ -216,3 +216,57 @@ def hnd_row(slot, head, num_kv_heads, block_size):
     True
     """
     return (slot // block_size * num_kv_heads + head) * block_size + slot % block_size
+
+
+def tile_query(i, group):
+    """Query row, counted from the tile's first, of row ``i`` of a GQA tile.
+
+    A tile's rows are (query row, query head of the KV head's group) pairs, query-major: row ``i`` is query
+    ``i // G`` and head ``kv_head * G + i % G`` (:func:`tile_head`), so the ``G`` heads that read one KV head
+    share every K/V tile.
+
+    Parameters
+    ----------
+    i : int or array of int
+        Rows of the tile, ``>= 0``.
+    group : int
+        G, query heads per KV head.
+
+    Returns
+    -------
+    int or array of int
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from bsrattn import indexing
+    >>> indexing.tile_query(np.arange(6), 4).tolist()
+    [0, 0, 0, 0, 1, 1]
+    """
+    return i // group
+
+
+def tile_head(kv_head, group, i):
+    """Query head of row ``i`` of a GQA tile over KV head ``kv_head`` (see :func:`tile_query`).
+
+    Parameters
+    ----------
+    kv_head : int
+        The tile's KV head.
+    group : int
+        G, query heads per KV head.
+    i : int or array of int
+        Rows of the tile, ``>= 0``.
+
+    Returns
+    -------
+    int or array of int
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from bsrattn import indexing
+    >>> indexing.tile_head(1, 4, np.arange(6)).tolist()
+    [4, 5, 6, 7, 4, 5]
+    """
+    return kv_head * group + i % group

@@ -36,6 +36,8 @@ from bsrattn.numba_cuda.launch import device
 query_position = device(indexing.query_position)
 key_visible = device(indexing.key_visible)
 mask_offset = device(indexing.mask_offset)
+tile_query = device(indexing.tile_query)
+tile_head = device(indexing.tile_head)
 
 
 def make_microkernel(cfg):
@@ -54,7 +56,7 @@ def make_microkernel(cfg):
         """``q_tile [max_nq, D]`` (shared) <- the block's queries, decoded; reset the running state."""
         for e in range(t, nq * head_dim, threads):
             i, d = e // head_dim, e % head_dim
-            q_tile[i, d] = decode_q(q[q_row0 + i // group, kv_head * group + i % group, d])
+            q_tile[i, d] = decode_q(q[q_row0 + tile_query(i, group), tile_head(kv_head, group, i), d])
         for i in range(t, nq, threads):
             m_run[i] = neg_inf
             l_run[i] = zero
@@ -74,7 +76,7 @@ def make_microkernel(cfg):
         for e in range(t, nq * tile_kv, threads):
             i, j = e // tile_kv, e % tile_kv
             k_pos = kv0 + j
-            local_q = q_row0 + i // group - row_q_start
+            local_q = q_row0 + tile_query(i, group) - row_q_start
             q_pos = query_position(qo_len, kv_len, local_q)
             visible = k_pos < kv_end and key_visible(q_pos, k_pos, causal, window_left)
             if custom_mask and visible:
@@ -89,7 +91,7 @@ def make_microkernel(cfg):
                 if soft_cap:
                     s = cap * math.tanh(s / cap)
                 if alibi:
-                    s += compute(alibi_slopes[kv_head * group + i % group]) * compute(k_pos - q_pos)
+                    s += compute(alibi_slopes[tile_head(kv_head, group, i)]) * compute(k_pos - q_pos)
             s_tile[i, j] = s
             if hidden_keys:
                 seen[i, j] = 1 if visible else 0
@@ -178,7 +180,7 @@ def make_microkernel(cfg):
                     o = zero
                 else:
                     o = nan if bad[i] != zero else acc[n] / l_run[i] * v_scale
-                row, head = q_row0 + i // group, kv_head * group + i % group
+                row, head = q_row0 + tile_query(i, group), tile_head(kv_head, group, i)
                 if part_row0 < 0:
                     out[row, head, d] = encode_out(o)
                 else:
@@ -186,7 +188,7 @@ def make_microkernel(cfg):
         if not sigmoid:
             for i in range(t, nq, threads):
                 s = m_run[i] + math.log(l_run[i]) if l_run[i] != zero else neg_inf
-                row, head = q_row0 + i // group, kv_head * group + i % group
+                row, head = q_row0 + tile_query(i, group), tile_head(kv_head, group, i)
                 if part_row0 < 0:
                     lse[row, head] = s
                 else:

@@ -23,3 +23,5 @@ def _device_function(fn):
 query_position = _device_function(_shared.query_position)
 key_visible = _device_function(_shared.key_visible)
 mask_offset = _device_function(_shared.mask_offset)
+tile_query = _device_function(_shared.tile_query)
+tile_head = _device_function(_shared.tile_head)

@@ -208,8 +208,10 @@ def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_
             acc, m_i, l_i, bad = attend_tile(
                 acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
                 kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-                DENSE_ROWS, False, False, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, CUSTOM_MASK, PRECISION)
+                stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=False, DROP_HIDDEN=False,
+                HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE,
+                DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
+                SIGMOID=SIGMOID, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
             blocks = ahead
     for start in range(mid, kv_end, BLOCK_N):
         ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end, BLOCK_N,
@@ -217,7 +219,9 @@ def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_
         acc, m_i, l_i, bad = attend_tile(
             acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
             kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-            stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            DENSE_ROWS, True, DROP_HIDDEN, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, CUSTOM_MASK, PRECISION)
+            stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=True, DROP_HIDDEN=DROP_HIDDEN,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE,
+            DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
+            SIGMOID=SIGMOID, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
         blocks = ahead
     return finish(acc, m_i, l_i, bad, v_scale, SIGMOID)
