@@ -17,6 +17,7 @@ import pytest
 
 import bsrattn as ba
 from bsrattn import scheduler
+from bsrattn.items import ITEM, item_table
 from bsrattn.testing import assert_close
 from helpers import NUMPY_DTYPES as NP
 from helpers import check_attention, naive_merge, raw_tensors, rounded
@@ -172,7 +173,9 @@ def test_dense_and_sparse_paths_give_the_same_bits():
     dense = ba.layouts.ragged([3, 2], [21, 9])
     where = rng.permutation(30)  # key s of the contiguous pool lives at slot where[s] of the scattered one
     sparse = ba.layouts.vector_sparse([where[:21], where[21:]], [3, 2], num_slots=30)
-    assert gather.affine_row_starts(dense) is not None and gather.affine_row_starts(sparse) is None
+    first_slot = [item_table(scheduler.plan(x.qo_lens, x.kv_lens, num_ctas=1), x)[:, ITEM["first_slot"]]
+                  for x in (dense, sparse)]
+    assert (first_slot[0] >= 0).all() and (first_slot[1] < 0).all()
     q, k, v = _tensors(rng, 5, 2, (30, 1, D))
     k_scattered, v_scattered = np.empty_like(k), np.empty_like(v)
     k_scattered[where], v_scattered[where] = k, v
@@ -181,13 +184,6 @@ def test_dense_and_sparse_paths_give_the_same_bits():
     b = ba.attention(q, k_scattered, v_scattered, sparse, backend="numba", variant=variant, return_lse=True)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
-
-
-def test_affine_row_starts():
-    assert gather.affine_row_starts(ba.layouts.ragged([1, 2, 0], [5, 0, 3])).tolist() == [0, 0, 5]
-    pages = ba.layouts.paged([1, 1], [[2, 3], [0]], [20, 5], page_size=16, num_pages=4)
-    assert gather.affine_row_starts(pages).tolist() == [32, 0]
-    assert gather.affine_row_starts(ba.layouts.paged([1], [[3, 2]], [20], page_size=16, num_pages=4)) is None
 
 
 def test_copy_word_respects_row_size_and_alignment():

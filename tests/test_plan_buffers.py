@@ -1,6 +1,6 @@
 """The torch tier's plan buffers: what ``PlanBuffers.fill`` writes, checked against a plain construction.
 
-The item table is what the kernel reads (``ITEM_FIELDS``), so every section is rebuilt here field by field,
+The item table is what the kernels read (``bsrattn.items.ITEM_FIELDS``; the numba tier's ``item_table`` too), so every section is rebuilt here field by field,
 by name, from the work plan and the layout's own views (``kv_slots``, ``kv_lens``, ``mask_indptr``), and
 compared bit for bit on random layouts of every kind: paged, ragged, custom masks, multi-row query tiles,
 split and unsplit plans, plans without merges. Refills go in place over a previous plan's contents, through
@@ -21,7 +21,8 @@ from bsrattn import scheduler
 from bsrattn.testing import assert_close
 from bsrattn.torch_cuda import config as tcfg
 from bsrattn.torch_cuda import plan_buffers
-from bsrattn.torch_cuda.plan_buffers import ITEM, ITEM_FIELDS, ITEM_STRIDE, Capacity, PlanBuffers
+from bsrattn.items import ITEM, ITEM_FIELDS, ITEM_STRIDE, item_table
+from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
 from bsrattn.torch_cuda.runner import Runner
 from bsrattn.validation import make_spec
 from strategies import layout_cases, plan_kwargs
@@ -67,6 +68,8 @@ def assert_packed(buffers, work_plan, layout, alibi_slopes=None):
     want = expected_sections(work_plan, layout, alibi_slopes)
     for name, got in written(buffers, want).items():
         np.testing.assert_array_equal(got, want[name], err_msg=f"section {name}")
+    # The numba tier uploads the same item rows, packed alone.
+    np.testing.assert_array_equal(item_table(work_plan, layout).reshape(-1), want["items"], err_msg="item_table")
     if layout.custom_mask is not None:
         got = buffers.mask[:layout.custom_mask.size].cpu().numpy()
         np.testing.assert_array_equal(got, layout.custom_mask.view(np.uint8), err_msg="custom mask")

@@ -27,7 +27,7 @@ import bsrattn
 
 MODULES = ("bsrattn.api", "bsrattn.layout", "bsrattn.layouts", "bsrattn.variant", "bsrattn.backends",
            "bsrattn.scheduler", "bsrattn.makespan", "bsrattn.state", "bsrattn.indexing", "bsrattn.testing",
-           "bsrattn.draw", "bsrattn.compiled", "bsrattn.integrations.paged")
+           "bsrattn.draw", "bsrattn.compiled", "bsrattn.integrations.paged", "bsrattn.items")
 UNANNOTATED = {"bsrattn.indexing"}
 PROPERTIES: set[str] = set()
 SECTION = re.compile(r"^(\w[\w ]*)\n-{3,}$", re.MULTILINE)

@@ -68,7 +68,6 @@ class Config:
     kv_format: str
     compute_name: str       # "float32", or "float64" for float64 inputs
     kv_hnd: bool            # k/v stored HND ([blocks, Hkv, Bc, D]) rather than NHD
-    dense: bool             # every row's KV is one contiguous run: the affine load path
     causal: bool
     window: bool            # a sliding window (window_left >= 0)
     soft_cap: bool

@@ -42,14 +42,16 @@ import functools
 import numpy as np
 from numba import cuda
 
+from bsrattn.items import ITEM
 from bsrattn.numba_cuda import launch
 from bsrattn.numba_cuda.config import Config
 from bsrattn.numba_cuda.gather import make_gather
 from bsrattn.numba_cuda.microkernel import make_microkernel
 
-# Rows of the packed item table ``items [NUM_ITEM_FIELDS, W]`` (the WorkPlan's per-item arrays, stacked).
-ITEM_ROW, ITEM_QO_START, ITEM_QO_END, ITEM_KV_START, ITEM_KV_END, ITEM_PARTIAL = range(6)
-NUM_ITEM_FIELDS = 6
+# Columns of the item rows (bsrattn.items.ITEM_FIELDS), as compile-time constants of the kernel.
+QO_START, QO_END, KV_START, KV_END = ITEM["qo_start"], ITEM["qo_end"], ITEM["kv_start"], ITEM["kv_end"]
+PARTIAL, QO_FIRST, QO_LEN, KV_LEN = ITEM["partial"], ITEM["qo_first"], ITEM["qo_len"], ITEM["kv_len"]
+BLOCK_START, FIRST_SLOT, MASK_START = ITEM["block_start"], ITEM["first_slot"], ITEM["mask_start"]
 
 
 @functools.cache
@@ -62,15 +64,14 @@ def persistent_kernel(cfg: Config):
     row_stride, acc_per_thread, words_per_thread = cfg.row_stride, cfg.acc_per_thread, cfg.words_per_thread
     seen_shape = (max_nq, tile_kv) if cfg.hidden_keys else (1, 1)
 
-    def persistent(q, k_words, v_words, out, lse, part_o, part_lse, cta_indptr, items, qo_indptr, kv_indptr,
-                   kv_indices, kv_lens, row_slot_start, mask_indptr, mask, block_size, num_kv_heads, score_scale,
-                   v_scale, window_left, cap, alibi_slopes, sigmoid_bias):
+    def persistent(q, k_words, v_words, out, lse, part_o, part_lse, cta_indptr, items, kv_indices, mask,
+                   block_size, num_kv_heads, score_scale, v_scale, window_left, cap, alibi_slopes, sigmoid_bias):
         """One block per (CTA, KV head), walking the CTA's work items.
 
         q [nnz_qo, Hq, D]; k_words, v_words [rows, row_words] (storage rows, see gather.rows_view);
         out [nnz_qo, Hq, D]; lse [nnz_qo, Hq]; part_o [P, Hq, D]; part_lse [P, Hq]; cta_indptr [num_ctas+1];
-        items [NUM_ITEM_FIELDS, W]; qo_indptr, kv_indptr [R+1]; kv_indices [nnz]; kv_lens, row_slot_start [R];
-        mask_indptr [R+1]; mask [sum qo_len*kv_len] (custom mask); alibi_slopes [Hq].
+        items [W, ITEM_STRIDE] (bsrattn.items); kv_indices [nnz]; mask [sum qo_len*kv_len] (custom mask);
+        alibi_slopes [Hq].
         """
         cta, kv_head, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         # Shared memory, one allocation per purpose (the simulator pays for each allocation site).
@@ -89,36 +90,35 @@ def persistent_kernel(cfg: Config):
         k_el, v_el = k_tile.view(element), v_tile.view(element)
 
         for w in range(cta_indptr[cta], cta_indptr[cta + 1]):
-            r = items[ITEM_ROW, w]
-            item_q0, item_q1 = items[ITEM_QO_START, w], items[ITEM_QO_END, w]
-            kv_start, kv_end = items[ITEM_KV_START, w], items[ITEM_KV_END, w]
-            part_row0 = items[ITEM_PARTIAL, w]
-            row_q_start, kv_len = qo_indptr[r], kv_lens[r]
-            qo_len = qo_indptr[r + 1] - row_q_start
+            item_q0, item_q1 = items[w, QO_START], items[w, QO_END]
+            kv_start, kv_end = items[w, KV_START], items[w, KV_END]
+            part_row0 = items[w, PARTIAL]
+            row_q_start, qo_len, kv_len = items[w, QO_FIRST], items[w, QO_LEN], items[w, KV_LEN]
+            block_start, first_slot, mask_start = items[w, BLOCK_START], items[w, FIRST_SLOT], items[w, MASK_START]
             for q_row0 in range(item_q0, item_q1, tile_rows):
                 nq = min(tile_rows, item_q1 - q_row0) * group
                 load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head)
-                resolve_rows(t, kv_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
+                resolve_rows(t, kv_rows_s, kv_indices, block_start, first_slot, block_size, num_kv_heads,
                              kv_head, kv_start, kv_end)
                 cuda.syncthreads()
                 load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows_s)
                 cuda.syncthreads()  # every thread has read kv_rows_s before it is overwritten
                 store_rows(t, k_staged, v_staged, k_tile, v_tile)
-                resolve_rows(t, kv_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size, num_kv_heads,
+                resolve_rows(t, kv_rows_s, kv_indices, block_start, first_slot, block_size, num_kv_heads,
                              kv_head, kv_start + tile_kv, kv_end)
                 cuda.syncthreads()
                 for kv0 in range(kv_start, kv_end, tile_kv):
                     # Issue the next tile's loads now; they travel while this tile is computed.
                     load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows_s)
                     scores(t, s_tile, seen, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len,
-                           kv_head, score_scale, window_left, cap, alibi_slopes, mask_indptr[r], mask)
+                           kv_head, score_scale, window_left, cap, alibi_slopes, mask_start, mask)
                     cuda.syncthreads()
                     probabilities(t, s_tile, p_tile, m_run, m_next, alpha, nq, sigmoid_bias)
                     cuda.syncthreads()
                     accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, seen, v_el, nq)
                     cuda.syncthreads()
                     store_rows(t, k_staged, v_staged, k_tile, v_tile)
-                    resolve_rows(t, kv_rows_s, kv_indices, kv_indptr[r], row_slot_start[r], block_size,
+                    resolve_rows(t, kv_rows_s, kv_indices, block_start, first_slot, block_size,
                                  num_kv_heads, kv_head, kv0 + 2 * tile_kv, kv_end)
                     cuda.syncthreads()
                 flag_rows(t, acc, bad, nq)

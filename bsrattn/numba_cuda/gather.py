@@ -8,8 +8,9 @@ The two ways of naming a tile's pool slots sit side by side, as in the paper:
 
 - the **sparse path** goes through the BSR indices, ``j = kv_indices[kv_indptr[r] + i // Bc] * Bc + i % Bc``
   (:func:`bsrattn.indexing.sparse_slot`): paged caches, Quest, vector-sparse KV, trees;
-- the **dense path** is affine, ``j = row_start[r] + i`` (:func:`bsrattn.indexing.dense_slot`), taken when
-  every row's KV is one contiguous run of slots (ragged and dense layouts, consecutive pages).
+- the **dense path** is affine, ``j = first_slot[r] + i`` (:func:`bsrattn.indexing.dense_slot`), taken by a
+  row whose KV is one contiguous run of slots (ragged and dense layouts, consecutive pages): the choice is
+  the row's, read from its item row (:func:`bsrattn.items.first_slots`).
 
 After that, both copy whole ``head_dim`` rows, so the coalescing comes from the head dimension whatever the
 block size is: with fp16 and ``head_dim`` 128 a row is 256 bytes, one 8-byte word per lane of a warp.
@@ -26,32 +27,6 @@ sparse_slot = device(indexing.sparse_slot)
 dense_slot = device(indexing.dense_slot)
 nhd_row = device(indexing.nhd_row)
 hnd_row = device(indexing.hnd_row)
-
-
-def affine_row_starts(layout):
-    """``[R]`` int32 first pool slot of each row when every row's slots are one contiguous run, else None.
-
-    A row is contiguous when its consecutive blocks are consecutive in the pool (``kv_indices`` steps by 1);
-    the last block's ``kv_last_len`` only shortens the run.
-
-    Examples
-    --------
-    >>> import bsrattn as ba
-    >>> affine_row_starts(ba.layouts.ragged([1, 1], [5, 3])).tolist()
-    [0, 5]
-    >>> affine_row_starts(ba.layouts.paged([1], [[3, 2]], [20], page_size=16, num_pages=4)) is None
-    True
-    """
-    indices = layout.kv_indices.astype(np.int64)
-    has_blocks = np.diff(layout.kv_indptr) > 0
-    starts = layout.kv_indptr[:-1][has_blocks]
-    row_start = np.zeros(indices.size, dtype=bool)
-    row_start[starts] = True
-    if not np.all((np.diff(indices) == 1) | row_start[1:]):
-        return None
-    first = np.zeros(layout.num_rows, dtype=np.int64)
-    first[has_blocks] = indices[starts] * layout.block_size
-    return first.astype(np.int32)
 
 
 def copy_word(row_bytes: int, *pointers) -> np.dtype:
@@ -89,19 +64,20 @@ def make_gather(cfg):
     ``config.Config``)."""
     tile_kv, threads = cfg.tile_kv, cfg.num_threads
     row_words, tile_words, words_per_thread = cfg.row_words, cfg.tile_kv * cfg.row_words, cfg.words_per_thread
-    dense, hnd = cfg.dense, cfg.kv_hnd
+    hnd = cfg.kv_hnd
 
     @device
-    def resolve_rows(t, kv_rows, kv_indices, row_block_start, row_slot_start, block_size, num_kv_heads, kv_head,
+    def resolve_rows(t, kv_rows, kv_indices, row_block_start, row_first_slot, block_size, num_kv_heads, kv_head,
                      kv0, kv_end):
         """Thread ``t``'s share of ``kv_rows [tile_kv]`` (shared) <- the storage row of logical slot ``kv0 + j``
-        of the block row, -1 past its end."""
+        of the block row, -1 past its end; the dense path when ``row_first_slot >= 0``
+        (:func:`bsrattn.items.first_slots`)."""
         for j in range(t, tile_kv, threads):
             i = kv0 + j
             row = -1
             if i < kv_end:
-                if dense:
-                    slot = dense_slot(row_slot_start, i)
+                if row_first_slot >= 0:
+                    slot = dense_slot(row_first_slot, i)
                 else:
                     slot = sparse_slot(kv_indices, row_block_start, block_size, i)
                 if hnd:

@@ -11,11 +11,12 @@ import threading
 import numpy as np
 
 from bsrattn import scheduler
+from bsrattn.items import item_table
 from bsrattn.numba_cuda import arrays, config, launch
 from bsrattn.numba_cuda.config import Config, choose_tiles, plan_options
 from bsrattn.numba_cuda.executor import persistent_kernel
 from bsrattn.numba_cuda.formats import compute_format, format_of, numpy_dtype
-from bsrattn.numba_cuda.gather import affine_row_starts, copy_word, rows_view
+from bsrattn.numba_cuda.gather import copy_word, rows_view
 from bsrattn.numba_cuda.merge import plan_merge_kernel
 
 
@@ -36,20 +37,12 @@ class Runner:
         self.spec = spec
         self.work_plan = work_plan
         layout = spec.layout
-        starts = affine_row_starts(layout)
-        self.dense = starts is not None
         heights = work_plan.item_qo_end - work_plan.item_qo_start
         self.item_rows = int(heights.max()) if heights.size else 1
-        self._layout_args = (
-            arrays.resident(layout.qo_indptr, np.int32), arrays.resident(layout.kv_indptr, np.int32),
-            arrays.resident(layout.kv_indices, np.int32), arrays.resident(layout.kv_lens, np.int32),
-            arrays.resident(starts if self.dense else np.zeros(layout.num_rows), np.int32),
-            arrays.resident(layout.mask_indptr, np.int64),
-            arrays.resident(layout.custom_mask if layout.custom_mask is not None else [], np.bool_))
-        items = np.stack([work_plan.item_row, work_plan.item_qo_start, work_plan.item_qo_end,
-                          work_plan.item_kv_start, work_plan.item_kv_end, work_plan.item_partial])
         self._plan_args = (arrays.resident(work_plan.cta_indptr, np.int32),
-                           arrays.resident(items, np.int32) if items.size else None)
+                           arrays.resident(item_table(work_plan, layout), np.int32) if work_plan.num_items else None,
+                           arrays.resident(layout.kv_indices, np.int32),
+                           arrays.resident(layout.custom_mask if layout.custom_mask is not None else [], np.bool_))
         self._merge_args = tuple(arrays.resident(a, np.int32) for a in (
             work_plan.merge_indptr, work_plan.merge_partials, work_plan.merge_qo_start, work_plan.merge_qo_end))
         variant = spec.variant
@@ -75,7 +68,7 @@ class Runner:
         tile_rows, tile_kv = choose_tiles(spec.head_dim, spec.group_size, numpy_dtype(kv_format).itemsize,
                                           word_size, np.dtype(compute_name).itemsize, self.item_rows)
         return Config(head_dim=spec.head_dim, group=spec.group_size, q_format=q_format, kv_format=kv_format,
-                      compute_name=compute_name, kv_hnd=kv_view == "HND", dense=self.dense, causal=variant.causal,
+                      compute_name=compute_name, kv_hnd=kv_view == "HND", causal=variant.causal,
                       window=variant.window_left >= 0, soft_cap=variant.logits_soft_cap > 0,
                       alibi=variant.alibi_slopes is not None,
                       sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None,
@@ -108,7 +101,7 @@ class Runner:
         if work_plan.num_items:
             launch.run(persistent_kernel(cfg), (work_plan.num_ctas, spec.num_kv_heads), cfg.num_threads,
                 q_dev, rows_view(k_dev, spec.head_dim, cfg.word), rows_view(v_dev, spec.head_dim, cfg.word),
-                out_dev, lse_dev, part_o, part_lse, *self._plan_args, *self._layout_args,
+                out_dev, lse_dev, part_o, part_lse, *self._plan_args,
                 spec.layout.block_size, spec.num_kv_heads, compute(spec.sm_scale * (k_scale or 1.0)),
                 compute(v_scale or 1.0), variant.window_left, compute(variant.logits_soft_cap or 1.0), self._alibi,
                 compute(variant.sigmoid_bias or 0.0))

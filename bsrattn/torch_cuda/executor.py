@@ -40,14 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
+from bsrattn.items import ITEM, ITEM_STRIDE
 from bsrattn.torch_cuda import microkernel
 from bsrattn.torch_cuda.config import interpreter_turn, interpreting
 from bsrattn.torch_cuda.gather import kv_strides
-from bsrattn.torch_cuda.indexing import query_position
+from bsrattn.torch_cuda.indexing import query_position, tile_head, tile_query
 from bsrattn.torch_cuda.merge import fold_partials
-from bsrattn.torch_cuda.plan_buffers import ITEM, ITEM_STRIDE
 
-# Offsets of the item-row fields (plan_buffers.ITEM_FIELDS), as compile-time constants of the kernel.
+# Offsets of the item-row fields (bsrattn.items.ITEM_FIELDS), as compile-time constants of the kernel.
 _STRIDE = tl.constexpr(ITEM_STRIDE)
 _QO_START, _QO_END = tl.constexpr(ITEM["qo_start"]), tl.constexpr(ITEM["qo_end"])
 _KV_START, _KV_END = tl.constexpr(ITEM["kv_start"]), tl.constexpr(ITEM["kv_end"])
@@ -126,17 +126,17 @@ def persistent_attention(
         for m0 in range(0, n_rows, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
             valid_m = m < n_rows
-            rel = m // GROUP
-            head = kv_head * GROUP + m % GROUP
+            rel = tile_query(m, GROUP)
+            head = tile_head(kv_head, GROUP, m)
             q_local = qo_start - qo_first + rel
             q_pos = query_position(qo_len, kv_len, q_local)
             lo = kv_start
             hi = kv_end
             if CAUSAL:
-                last_local = qo_start - qo_first + (tl.minimum(m0 + BLOCK_M, n_rows) - 1) // GROUP
+                last_local = qo_start - qo_first + tile_query(tl.minimum(m0 + BLOCK_M, n_rows) - 1, GROUP)
                 hi = tl.minimum(hi, query_position(qo_len, kv_len, last_local) + 1)
             if HAS_WINDOW:
-                first_local = qo_start - qo_first + m0 // GROUP
+                first_local = qo_start - qo_first + tile_query(m0, GROUP)
                 lo = tl.maximum(lo, query_position(qo_len, kv_len, first_local) - window_left)
             q_rows = (qo_start + rel).to(tl.int64)
             q = tl.load(q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :] * stride_qd,
@@ -148,8 +148,9 @@ def persistent_attention(
                 q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices, row_block_start, first_slot,
                 lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
                 stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-                HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE_ROWS, CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI,
-                SIGMOID, CUSTOM_MASK, PRECISION, REDO)
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE,
+                DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
+                SIGMOID=SIGMOID, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION, DROP_HIDDEN=REDO)
             if HIDDEN_KEYS and not REDO:
                 if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:  # a non-finite row: the second launch redoes the item
                     tl.store(item_flags + w * num_kv_heads + kv_head, 1)
@@ -171,8 +172,8 @@ def persistent_attention(
                 for m0 in range(0, n_rows, BLOCK_M):
                     m = m0 + tl.arange(0, BLOCK_M)
                     valid_m = m < n_rows
-                    rel = m // GROUP
-                    head = kv_head * GROUP + m % GROUP
+                    rel = tile_query(m, GROUP)
+                    head = tile_head(kv_head, GROUP, m)
                     o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head,
                                            valid_m, d, stride_pn, stride_ph, stride_pln, stride_plh, HEAD_DIM,
                                            SIGMOID)

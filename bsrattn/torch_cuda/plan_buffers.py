@@ -11,7 +11,7 @@ One int32 buffer holds every plan array, at 64-byte aligned offsets:
 | section | shape | content |
 |---|---|---|
 | ``cta_indptr`` | ``[num_ctas+1]`` | CTA ``c`` runs items ``cta_indptr[c]:cta_indptr[c+1]`` |
-| ``items`` | ``[W, ITEM_STRIDE]`` | one row of :data:`ITEM_FIELDS` per work item |
+| ``items`` | ``[W, ITEM_STRIDE]`` | one row of :data:`bsrattn.items.ITEM_FIELDS` per work item |
 | ``merge_partials`` | ``[P]`` | as in :class:`~bsrattn.scheduler.WorkPlan` |
 | ``alibi`` | ``[num_qo_heads]`` | the variant's ALiBi slopes (float32 bits) |
 | ``kv_indices`` | ``[nnz]`` | the layout's block ids |
@@ -36,27 +36,11 @@ import numpy as np
 import torch
 
 from bsrattn.compiled import Compiled
-from bsrattn.layout import INT32_MAX
+from bsrattn.items import ITEM_STRIDE, first_slots, mask_starts, pack_items
 from bsrattn.torch_cuda.config import next_pow2
 from bsrattn.torch_cuda.arrays import canonical_device
 
 SECTIONS = ("cta_indptr", "items", "merge_partials", "alibi", "kv_indices")
-ITEM_FIELDS = (
-    "qo_start", "qo_end",  # the item's query rows (absolute rows of q)
-    "kv_start", "kv_end",  # its logical KV slots
-    "partial",  # first workspace row of its partial state, -1: it writes the output
-    "merge",  # the merge its partial state belongs to, -1: none
-    "parts_lo", "parts_hi",  # that merge's partials, merge_partials[parts_lo:parts_hi]
-    "qo_first", "qo_len", "kv_len",  # the block row's first query row and lengths
-    "block_start",  # kv_indptr of the block row
-    "first_slot",  # first pool slot when the row's blocks are consecutive (the dense path), else -1
-    "mask_start",  # mask_indptr of the block row (0 without a custom mask: then nothing reads it)
-    "row",  # the block row
-)
-"""The int32 fields of an item row, in order; the kernel reads them by these names (``ITEM``)."""
-ITEM = {name: i for i, name in enumerate(ITEM_FIELDS)}
-ITEM_STRIDE = 16
-"""int32 elements per item row: the fields, padded to 64 bytes."""
 WORKSPACE_HEADROOM_BYTES = 64 * 2**20
 """Largest partial-state workspace sized for the worst case of a batch rather than for its first plan."""
 _ALIGN = 16  # int32 elements: 64 bytes, so every section pointer keeps Triton's 16-byte alignment
@@ -114,35 +98,26 @@ class Capacity:
 
 
 # Offsets of the item-row fields, as constants of the compiled pass (as the kernel reads them).
-_QO_START, _QO_END = ITEM["qo_start"], ITEM["qo_end"]
-_KV_START, _KV_END = ITEM["kv_start"], ITEM["kv_end"]
-_PARTIAL, _MERGE = ITEM["partial"], ITEM["merge"]
-_PARTS_LO, _PARTS_HI = ITEM["parts_lo"], ITEM["parts_hi"]
-_QO_FIRST, _QO_LEN, _KV_LEN = ITEM["qo_first"], ITEM["qo_len"], ITEM["kv_len"]
-_BLOCK_START, _FIRST_SLOT = ITEM["block_start"], ITEM["first_slot"]
-_MASK_START, _ROW = ITEM["mask_start"], ITEM["row"]
-_NUM_FIELDS = len(ITEM_FIELDS)
 _NO_ALIBI = np.zeros(0, dtype=np.int32)
 
 
 def _pack(out,  # [plan elements] int32: the host staging of the plan sections
           cta_at, items_at, merge_at, alibi_at, kv_at,  # the sections' offsets in out, in SECTIONS order
+          first_slot,  # [R] int64 scratch
           cta_indptr,  # [num_ctas+1]
           item_row, item_qo_start, item_qo_end, item_kv_start, item_kv_end, item_partial,  # [W]
           merge_indptr, merge_partials, num_partial_rows,  # [M+1]; [P]; int
           qo_indptr, kv_indptr,  # [R+1]
           kv_indices,  # [nnz]
-          kv_last_len,  # [R]
+          kv_lens,  # [R]
           mask_indptr,  # [R+1] int64
           block_size,
           alibi_bits):  # [num_qo_heads] int32, the slopes' float32 bits ([0] without ALiBi)
     """Write every plan section into ``out`` in one pass, with explicit loops (compiled by Numba when present).
 
-    The item rows (:data:`ITEM_FIELDS`) are the work plan's items in CTA order, each with its merge and
-    its block row's fields. ``first_slot`` is ``kv_indices[kv_indptr[r]] * block_size`` for a row whose
-    blocks are consecutive pool blocks (it takes the dense, affine load path), -1 for any other row (an
-    empty one too). The choice is per row and read at run time, so a captured CUDA graph stays valid
-    whichever rows a later plan makes affine.
+    The item rows are :func:`bsrattn.items.pack_items`'s, in CTA order. A row's dense path
+    (:func:`~bsrattn.items.first_slots`) is chosen per row and read at run time, so a captured CUDA graph
+    stays valid whichever rows a later plan makes dense. Returns whether some row is.
     """
     # Copies are loops over section views: Numba's slice assignment does not vectorise, these do (memcpy speed).
     section = out[cta_at:cta_at + cta_indptr.size]
@@ -157,54 +132,15 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
     section = out[kv_at:kv_at + kv_indices.size]
     for i in range(kv_indices.size):
         section[i] = kv_indices[i]
-    num_rows = kv_indptr.size - 1
-    first_slot = np.full(num_rows, -1, np.int64)
-    any_affine = False
-    for r in range(num_rows):
-        start = kv_indptr[r]
-        end = kv_indptr[r + 1]
-        if end > start:
-            affine = True
-            for i in range(start + 1, end):
-                if kv_indices[i] != kv_indices[i - 1] + 1:
-                    affine = False  # scattered pages fail at the first step: the scan is short
-                    break
-            if affine:
-                first_slot[r] = kv_indices[start] * block_size
-                any_affine = True
-    # The merge a split item's partial state belongs to, by the state's first workspace row.
-    merge_of = np.full(max(num_partial_rows, 1), -1, np.int64)
-    for m in range(merge_indptr.size - 1):
-        for j in range(merge_indptr[m], merge_indptr[m + 1]):
-            merge_of[merge_partials[j]] = m
+    any_dense = first_slots(first_slot, kv_indptr, kv_indices, block_size)
     num_items = item_row.size
-    items = out[items_at:items_at + num_items * ITEM_STRIDE].reshape((num_items, ITEM_STRIDE))
-    for w in range(num_items):
-        r = item_row[w]
-        partial = item_partial[w]
-        merge = merge_of[partial] if partial >= 0 else -1
-        items[w, _QO_START] = item_qo_start[w]
-        items[w, _QO_END] = item_qo_end[w]
-        items[w, _KV_START] = item_kv_start[w]
-        items[w, _KV_END] = item_kv_end[w]
-        items[w, _PARTIAL] = partial
-        items[w, _MERGE] = merge
-        items[w, _PARTS_LO] = merge_indptr[merge] if merge >= 0 else 0
-        items[w, _PARTS_HI] = merge_indptr[merge + 1] if merge >= 0 else 0
-        items[w, _QO_FIRST] = qo_indptr[r]
-        items[w, _QO_LEN] = qo_indptr[r + 1] - qo_indptr[r]
-        blocks = kv_indptr[r + 1] - kv_indptr[r]
-        items[w, _KV_LEN] = (blocks - 1) * block_size + kv_last_len[r] if blocks > 0 else 0  # BSRLayout.kv_lens
-        items[w, _BLOCK_START] = kv_indptr[r]
-        items[w, _FIRST_SLOT] = first_slot[r]
-        items[w, _MASK_START] = mask_indptr[r]
-        items[w, _ROW] = r
-        for f in range(_NUM_FIELDS, ITEM_STRIDE):
-            items[w, f] = 0
-    return any_affine
+    pack_items(out[items_at:items_at + num_items * ITEM_STRIDE].reshape((num_items, ITEM_STRIDE)), item_row,
+               item_qo_start, item_qo_end, item_kv_start, item_kv_end, item_partial, merge_indptr, merge_partials,
+               num_partial_rows, qo_indptr, kv_indptr, kv_lens, mask_indptr, first_slot)
+    return any_dense
 
 
-_packer = Compiled(_pack)
+_packer = Compiled(_pack, first_slots, pack_items)
 
 
 class PlanBuffers:
@@ -312,27 +248,21 @@ class PlanBuffers:
         return 4 * (self.offsets["kv_indices"][0] + layout.kv_indices.size), mask
 
     def fill(self, work_plan, layout, alibi_slopes=None) -> bool:
-        """Write ``work_plan``, ``layout``'s arrays and the ALiBi slopes in place; whether some row is affine.
+        """Write ``work_plan``, ``layout``'s arrays and the ALiBi slopes in place; whether some row is dense.
 
         One compiled pass (:func:`_pack`) writes every section into the host staging; the bytes the plan
         uses (:meth:`used_bytes`) then go to the device in one asynchronous copy (two with a custom mask).
         """
-        if layout.custom_mask is None:
-            # No mask to index: a long prefill's qo_len * kv_len may pass int32, and the kernel reads no offset.
-            mask_indptr = np.zeros(layout.num_rows + 1, dtype=np.int64)
-        else:
-            mask_indptr = layout.mask_indptr
-            if mask_indptr[-1] > INT32_MAX:
-                raise ValueError(f"custom_mask has {mask_indptr[-1]} elements; the torch tier indexes it with "
-                                 f"int32")
+        mask_indptr = mask_starts(layout)
         if self._copied is not None:
             self._copied.synchronize()  # the previous refill's copy must have left the staging buffer
         alibi = _NO_ALIBI if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float32).view(np.int32)
         wp = work_plan
-        any_affine = _packer(
-            self._host_plan, *self._section_at, wp.cta_indptr, wp.item_row, wp.item_qo_start, wp.item_qo_end,
+        any_dense = _packer(
+            self._host_plan, *self._section_at, np.empty(layout.num_rows, dtype=np.int64), wp.cta_indptr,
+            wp.item_row, wp.item_qo_start, wp.item_qo_end,
             wp.item_kv_start, wp.item_kv_end, wp.item_partial, wp.merge_indptr, wp.merge_partials,
-            wp.num_partial_rows, layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_len,
+            wp.num_partial_rows, layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_lens,
             mask_indptr, layout.block_size, alibi)
         if layout.custom_mask is not None:
             self._host_mask[:layout.custom_mask.size] = layout.custom_mask.view(np.uint8)
@@ -344,4 +274,4 @@ class PlanBuffers:
                 self.raw[at:at + mask_bytes].copy_(self.staging[at:at + mask_bytes], non_blocking=True)
             if self._copied is not None:
                 self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copies went to
-        return bool(any_affine)
+        return bool(any_dense)
