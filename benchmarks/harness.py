@@ -13,6 +13,8 @@ Every GPU figure goes through :meth:`Suite.measure`, which does, in this order:
    warm-up;
 4. **graph**: capture the call in a ``torch.cuda.CUDAGraph``, check one replay the same way, then time
    replays, each after an L2 flush queued ahead of it (GPU time: the launch is hidden behind the flush);
+   a call no graph can capture (the numba tier's) is instead timed **queued**: each call made from Python
+   behind a spin kernel long enough to hide its host cost, so the events time its GPU work alone;
 5. **bound**: bytes the work needs over the copy bandwidth, or FLOPs over the bf16 matmul rate, both measured
    in the same process; the fraction achieved is bound / measured time.
 
@@ -314,7 +316,8 @@ class Suite:
         bytes_needed, flops : int, optional
             The work's true cost, for the bound.
         graph : bool or str
-            False or a reason string: time eager only.
+            False or a reason string: no graph; the call is timed eagerly and queued
+            (:func:`~benchmarks.timing.time_queued`), and the queued figure is the record's.
         view : callable, optional
             Output to canonical layout, applied outside the timed region.
         out : tensor, optional
@@ -357,6 +360,12 @@ class Suite:
                              "traceback": traceback.format_exc(limit=6)})
         if graph is not True:
             rec["graph"] = {"skipped": graph or "not capturable"}
+            try:
+                rec["queued"] = timing.time_queued(fn, flush=self._flush, warmup=self.warmup, samples=self.samples,
+                                                   host_us=rec["eager"]["p90_us"])
+            except Exception as exc:  # the eager figure stands
+                self._recover()
+                rec["queued"] = {"error": _short(exc)}
         else:
             try:
                 rec["graph"] = timing.time_graph(fn, partial(self._check_graph, rec, checking), flush=self._flush,
@@ -368,10 +377,11 @@ class Suite:
                 rec.update(status="incorrect", reason="graph replay: " + rec["check_graph"]["message"])
         del fn
         self.release()
-        best = rec["graph"].get("median_us") or rec["eager"]["median_us"]
+        mode = next((m for m in ("graph", "queued") if rec.get(m, {}).get("median_us")), "eager")
+        best = rec[mode]["median_us"]
         if not host_loop:
             rec["time_us"] = best
-            rec["time_mode"] = "graph" if rec["graph"].get("median_us") else "eager"
+            rec["time_mode"] = mode
         if "bound_us" in rec:
             rec["fraction"] = rec["bound_us"] / best
         if bytes_needed is not None:

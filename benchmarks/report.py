@@ -1,8 +1,8 @@
 """The markdown summary of ``benchmarks/results/``: one table per workload, each with the command that reproduces it.
 
 Built from the JSON files alone (no GPU needed): ``python3 benchmarks/report.py [results_dir]`` writes
-``<results_dir>/README.md``. Times are graph-mode medians in µs where the call could be captured, else eager
-(marked ``e``); a cell that did not produce a time says why in the notes under its table.
+``<results_dir>/README.md``. Times are graph-mode medians in µs where the call could be captured, else the GPU
+time of calls queued behind a spin (marked ``q``), or eager (marked ``e``); a cell that did not produce a time says why in the notes under its table.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ STATUS_MARK = {"unavailable": "n/a", "error": "error", "incorrect": "WRONG", "sk
 
 
 def _mark(rec) -> str:
-    """`` e`` for a time taken eagerly (from Python), nothing for graph-mode or host times."""
-    return "" if rec.get("time_mode") in ("graph", "host") else " e"
+    """`` e`` for a time taken eagerly (from Python), `` q`` for GPU time queued behind a spin (a call no graph
+    captures), nothing for graph-mode or host times."""
+    return {"graph": "", "host": "", "queued": " q"}.get(rec.get("time_mode"), " e")
 
 
 def _time(rec) -> str:
@@ -274,7 +275,8 @@ def section(payload, results_dir: Path) -> list:
     lines = [f"## {payload['title']}", "", f"Reproduce: `{payload['command']}`" + (" (quick run)" if payload.get(
         "quick") else ""), "", f"Measured on: {_environment(payload)}.", ""]
     if payload.get("ceilings"):
-        lines += [f"Times: median of {payload['samples']} samples in µs, graph mode (eager where marked `e`); "
+        lines += [f"Times: median of {payload['samples']} samples in µs, graph mode (GPU time of calls queued "
+                  "behind a spin where marked `q`, eager where marked `e`); "
                   "each implementation was checked against the float64 reference first. In brackets: bound / "
                   "time (the fraction of the physical bound achieved).", ""]
     lines += SECTIONS.get(name, table_timed)(payload)

@@ -1,6 +1,7 @@
 """Timing: eager calls from Python and CUDA-graph replays, each after an L2 flush, as medians of CUDA events.
 
-:func:`time_eager` and :func:`time_graph` are steps 3 and 4 of the method in :mod:`benchmarks.harness`; their
+:func:`time_eager` and :func:`time_graph` are steps 3 and 4 of the method in :mod:`benchmarks.harness`
+(:func:`time_queued` replaces step 4 for a call no graph can capture); their
 callers have already checked the output (:mod:`benchmarks.correctness`) and flush the L2 by zeroing a buffer of
 :data:`FLUSH_BYTES`.
 """
@@ -69,6 +70,38 @@ def time_host_loop(fn, *, sync, warmup: int, samples: int, calls: int = 20) -> d
             fn()
         times.append((time.perf_counter_ns() - t0) / 1e3 / calls)
         sync()
+    return stats(times)
+
+
+SPIN_CYCLES_PER_US = 2000
+"""GPU clock cycles per µs at most (the H200 boosts to 1.98 GHz): a spin of ``n`` µs waits this many per µs."""
+
+
+def time_queued(fn, *, flush, warmup: int, samples: int, host_us: float) -> dict:
+    """Stats of the GPU time of ``samples`` calls of ``fn`` made from Python, each queued behind a spin kernel.
+
+    For a call no CUDA graph can capture (the numba tier launches on the legacy default stream, outside
+    torch's capture). Each sample queues a spin of three times ``host_us`` (the call's eager time, which
+    bounds its host cost), then the L2 flush and the start event, then makes the call: the host has queued
+    every launch of the call before the GPU reaches the start event, so the events time the GPU work alone,
+    as a graph replay's do.
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    spin = int(3 * max(host_us, 50.0) * SPIN_CYCLES_PER_US)
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(samples):
+        torch.cuda._sleep(spin)
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
     return stats(times)
 
 

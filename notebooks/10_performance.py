@@ -79,18 +79,21 @@ gpu_results = {name: payload for name, payload in results.items() if payload.get
 # time (W6), the host time of one call in a tight loop (W8), and a transformers model's decode step (W9). The
 # cell draws only what exists. Times are graph-mode (a replayed CUDA graph: GPU time) except
 # where an implementation could not be captured: the numba tier's launches are Numba's, outside torch's graphs,
-# so it is timed eagerly, from Python, launch overhead included, and its curves say so.
+# so it is timed *queued*: each call made from Python behind a spin kernel long enough to hide its launch
+# overhead, so the figure is its GPU time, as a graph's is (its eager time, launch overhead included, is in the
+# records too). Curves timed another way than graph mode say so.
 
 # %% tags=["needs-results"]
-def mark_eager(fig, payload):
-    """Label the curves of implementations timed eagerly as such, and the time axes that hold them."""
-    eager = {r["impl"] for r in payload["records"] if r["status"] == "ok" and r.get("time_mode") == "eager"}
+def mark_modes(fig, payload):
+    """Label the curves of implementations timed other than in graph mode with their mode."""
+    modes = {r["impl"]: r["time_mode"] for r in payload["records"]
+             if r["status"] == "ok" and r.get("time_mode") in ("eager", "queued")}
     for ax in fig.axes:
-        lines = [line for line in ax.get_lines() if line.get_label() in eager]
+        lines = [line for line in ax.get_lines() if line.get_label() in modes]
         for line in lines:
-            line.set_label(f"{line.get_label()} (eager)")
-        if eager and "graph mode" in ax.get_ylabel():
-            ax.set_ylabel(ax.get_ylabel().replace("graph mode", "graph mode, eager where marked"))
+            line.set_label(f"{line.get_label()} ({modes[line.get_label()]})")
+        if lines and "graph mode" in ax.get_ylabel() and "marked" not in ax.get_ylabel():
+            ax.set_ylabel(ax.get_ylabel().replace("graph mode", "graph mode unless marked"))
         legend = ax.get_legend()
         if lines and legend is not None:
             ax.legend(fontsize=legend.get_texts()[0].get_fontsize())
@@ -101,7 +104,7 @@ for name, payload in gpu_results.items():
         continue
     fig = plt.figure(figsize=(12, 4))
     plots.PLOTS[name](payload, fig)
-    mark_eager(fig, payload)
+    mark_modes(fig, payload)
     fig.suptitle(payload["title"] + (" (quick run)" if payload.get("quick") else ""), fontsize=10)
     fig.tight_layout()
     plt.show()

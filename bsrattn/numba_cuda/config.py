@@ -3,7 +3,7 @@
 On a GPU the sizes are chosen for bandwidth (the Quest decode workload, W1 of ``docs/benchmarks.md``): 4 warps per
 block, 64 keys gathered per step (with fp16 and head_dim 128 the K and V tiles are 33 KB of shared memory),
 the next tile's loads in flight while a tile is computed, and a plan balanced over the blocks that are
-resident at once. ``tests/gpu_numba_check.py --sweep`` times the alternatives.
+resident at once. W1 of the benchmark suite times them (``benchmarks/NOTES.md``).
 
 The simulator runs every CUDA thread as a Python thread and pays milliseconds per barrier, so there the
 same kernels run with 8 threads a block, 16-key tiles and 4 CTAs per KV head: small enough to be quick,

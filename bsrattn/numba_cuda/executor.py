@@ -24,7 +24,8 @@ Kernels are specialised per :class:`~bsrattn.numba_cuda.config.Config` (head_dim
 features are on): the shapes of shared and local arrays must be compile-time constants in CUDA, and features
 that are off compile away.
 
-How the kernel got here (read off the sm_90 PTX and ``ptxas -v``; GPU timings: ``tests/gpu_numba_check.py``):
+How the kernel got here (read off the sm_90 PTX and ``ptxas -v``; GPU timings: W1 of the benchmark suite,
+queued behind a spin kernel):
 
 1. a copy that waited for each load before the next: one 8-byte load in flight per thread;
 2. two-phase copy (all of a thread's loads, then all stores): the loads unroll and travel together;
