@@ -90,8 +90,9 @@ def persistent_attention(
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr, STORE_LSE: tl.constexpr,
         DENSE_ROWS: tl.constexpr, PRECISION: tl.constexpr, REDO: tl.constexpr):
-    # sync: rows [0, M) count a merge's partial states as they land, [M, 2M) the same in the second launch,
-    # [2M, 3M) flag the merges whose output came out non-finite, [3M, 3M + W) flag such items (M = merge_rows).
+    # sync, in blocks of merge_rows rows (the buffers' merge capacity): the first counts a merge's partial
+    # states as they land, the second the same in the second launch, the third flags the merges whose output
+    # came out non-finite; then one row per item flags such items.
     HIDDEN_KEYS: tl.constexpr = CAUSAL or HAS_WINDOW or CUSTOM_MASK
     merge_flags = sync + 2 * merge_rows * num_kv_heads
     item_flags = sync + 3 * merge_rows * num_kv_heads
