@@ -2,7 +2,8 @@
 
 Built from the JSON files alone (no GPU needed): ``python3 benchmarks/report.py [results_dir]`` writes
 ``<results_dir>/README.md``. Times are graph-mode medians in µs where the call could be captured, else the GPU
-time of calls queued behind a spin (marked ``q``), or eager (marked ``e``); a cell that did not produce a time says why in the notes under its table.
+time of calls queued behind a spin (marked ``q``), or eager (marked ``e``); a cell that did not produce a time
+says why in the notes under its table.
 """
 
 from __future__ import annotations

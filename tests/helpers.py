@@ -309,6 +309,25 @@ def dense_mask_from_raw(case, variant=None) -> np.ndarray:
 
 # ---- checks shared by the property tests and the wrong-implementation tests --------------------------
 
+def assert_matches_reference(got, q, k, v, layout, dtype, *, variant=None, kv_layout="NHD", name="output",
+                             **scales):
+    """Raise unless ``got`` (``out``, or ``(out, lse)``) of a call on ``q, k, v`` over ``layout`` matches the
+    reference tier's answer on the same stored values in float64, within the tolerance table's ``dtype`` entry.
+
+    ``q, k, v`` are what the call was given (any tier's arrays, fp8 too: the reference reads their values);
+    ``scales`` are the call's ``k_scale``/``v_scale``.
+    """
+    variant = variant or ba.Variant()
+    with_lse = not variant.use_sigmoid
+    want = ba.attention(*(as_float64(x) for x in (q, k, v)), layout, variant=variant, kv_layout=kv_layout,
+                        backend="reference", return_lse=with_lse, **scales)
+    got_o, got_lse = got if with_lse else (got, None)
+    want_o, want_lse = want if with_lse else (want, None)
+    assert_close(as_float64(got_o), want_o, "attention", dtype, name=f"{name} out")
+    if with_lse:
+        assert_close(as_float64(got_lse), want_lse, "lse", dtype, name=f"{name} lse")
+
+
 def assert_matches_oracle(got_o, got_lse, want, naive=None, dtype="float64", name="output"):
     """Raise unless ``got_o`` (and ``got_lse``, unless None) match the float64 oracle's ``want = (o, lse)``.
 

@@ -1,11 +1,12 @@
 """The torch tier's plan buffers: what ``PlanBuffers.fill`` writes, checked against a plain construction.
 
-The item table is what the kernels read (``bsrattn.items.ITEM_FIELDS``; the numba tier's ``item_table`` too), so every section is rebuilt here field by field,
-by name, from the work plan and the layout's own views (``kv_slots``, ``kv_lens``, ``mask_indptr``), and
-compared bit for bit on random layouts of every kind: paged, ragged, custom masks, multi-row query tiles,
-split and unsplit plans, plans without merges. Refills go in place over a previous plan's contents, through
-the compiled pass and through its pure-Python fallback. A separately staged buffer on the CPU shows that a
-refill copies the bytes the plan uses and no more, and that the kernel needs no others. Host-side and fast.
+The item table is what the kernels read (``bsrattn.items.ITEM_FIELDS``; the numba tier's ``item_table`` too),
+so every section is rebuilt here field by field, by name, from the work plan and the layout's own views
+(``kv_slots``, ``kv_lens``, ``mask_indptr``), and compared bit for bit on random layouts of every kind: paged,
+ragged, custom masks, multi-row query tiles, split and unsplit plans, plans without merges. Refills go in place
+over a previous plan's contents, through the compiled pass and through its pure-Python fallback. A separately
+staged buffer on the CPU shows that a refill copies the bytes the plan uses and no more, and that the kernel
+needs no others. Host-side and fast.
 """
 
 from __future__ import annotations

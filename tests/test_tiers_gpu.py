@@ -16,6 +16,7 @@ import pytest
 
 import bsrattn as ba
 from bsrattn.testing import assert_close, scattered_page_tables
+from helpers import assert_matches_reference
 from test_tiers import NUMPY_DTYPES, load_tier
 
 pytestmark = pytest.mark.gpu
@@ -69,23 +70,15 @@ def _compare(tier, layout, q, k, v, dtype, *, variant=ba.Variant(), kv_layout="N
         k, v = (x / scales.get(name, 1.0) for x, name in ((k, "k_scale"), (v, "v_scale")))
     q = q.astype(NUMPY_DTYPES[dtype])
     k, v = (x.astype(NUMPY_DTYPES[kv_dtype]) for x in (k, v))
-    # The reference dequantises fp8 itself (its cast-then-scale is the spec); other dtypes go in as float64.
-    ref_args = (q, k, v) if kv_dtype in FP8 else tuple(x.astype(np.float64) for x in (q, k, v))
     want_lse = not variant.use_sigmoid
-    want = ba.attention(*ref_args, layout, variant=variant, kv_layout=kv_layout, return_lse=want_lse,
-                        backend="reference", **scales)
     args = (tier.array(q, dtype), tier.array(k, kv_dtype), tier.array(v, kv_dtype))
     if runner is None:
         got = _supported_or_skip(tier, lambda: ba.attention(*args, layout, variant=variant, kv_layout=kv_layout,
                                                            return_lse=want_lse, backend=tier.name, **scales))
     else:
         got = _supported_or_skip(tier, lambda: runner(*args, return_lse=want_lse, **scales))
-    op_dtype = kv_dtype if kv_dtype in FP8 else dtype
-    got_o, got_lse = got if want_lse else (got, None)
-    want_o, want_l = want if want_lse else (want, None)
-    assert_close(tier.numpy(got_o), want_o, "attention", op_dtype, name=f"{tier.name} out")
-    if want_lse:
-        assert_close(tier.numpy(got_lse), want_l, "lse", op_dtype, name=f"{tier.name} lse")
+    assert_matches_reference(got, q, k, v, layout, kv_dtype if kv_dtype in FP8 else dtype, variant=variant,
+                             kv_layout=kv_layout, name=tier.name, **scales)
     return got
 
 

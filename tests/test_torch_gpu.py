@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import bsrattn as ba
-from bsrattn.testing import assert_close, scattered_page_tables
+from bsrattn.testing import scattered_page_tables
+from helpers import assert_matches_reference
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -38,20 +39,6 @@ def _inputs(rng, layout, q_dtype, kv_dtype, hq=HQ, hkv=HKV, d=D, kv_shape=None):
     return q, k, v
 
 
-def _f64(x):
-    return x.detach().double().cpu().numpy()
-
-
-def _check(got, q, k, v, layout, variant, dtype, kv_layout="NHD", k_scale=1.0, v_scale=1.0, name="torch"):
-    want = ba.attention(_f64(q), _f64(k) * k_scale, _f64(v) * v_scale, layout, variant=variant,
-                        kv_layout=kv_layout, backend="reference", return_lse=not variant.use_sigmoid)
-    if variant.use_sigmoid:
-        assert_close(got, want, "attention", dtype, name=f"{name} out")
-        return
-    assert_close(got[0], want[0], "attention", dtype, name=f"{name} out")
-    assert_close(got[1], want[1], "lse", dtype, name=f"{name} lse")
-
-
 # ---- every dtype at real sizes ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -61,7 +48,7 @@ def test_paged_decode(dtype):
     q, k, v = _inputs(rng, layout, dtype, dtype)
     variant = ba.Variant(logits_soft_cap=30.0)
     got = ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=True)
-    _check(got, q, k, v, layout, variant, dtype)
+    assert_matches_reference(got, q, k, v, layout, dtype, variant=variant)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,7 +59,7 @@ def test_ragged_causal_prefill(dtype):
     q, k, v = _inputs(rng, layout, dtype, dtype, kv_shape=(layout.num_blocks, HKV, D))
     variant = ba.Variant(causal=True)
     got = ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=True)
-    _check(got, q, k, v, layout, variant, dtype)
+    assert_matches_reference(got, q, k, v, layout, dtype, variant=variant)
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", FP8)
@@ -83,7 +70,7 @@ def test_fp8_kv(q_dtype, kv_dtype):
     variant = ba.Variant(causal=True)
     got = ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=True, k_scale=0.8,
                        v_scale=1.7)
-    _check(got, q, k, v, layout, variant, kv_dtype, k_scale=0.8, v_scale=1.7)
+    assert_matches_reference(got, q, k, v, layout, kv_dtype, variant=variant, k_scale=0.8, v_scale=1.7)
 
 
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
@@ -95,7 +82,7 @@ def test_prefill_variants_and_tree(dtype):
     for variant in (ba.Variant(causal=True, window_left=128, alibi_slopes=slopes),
                     ba.Variant(causal=True, logits_soft_cap=20.0), ba.Variant(sigmoid_bias=-3.0, causal=True)):
         got = ba.attention(q, k, v, layout, variant=variant, backend="torch", return_lse=not variant.use_sigmoid)
-        _check(got, q, k, v, layout, variant, dtype, name=str(variant))
+        assert_matches_reference(got, q, k, v, layout, dtype, variant=variant, name=str(variant))
     parents = [[-1] + [int(rng.integers(0, i)) for i in range(1, 24)], [-1, 0, 0, 1, 1, 2]]
     kv_lens = [1000, 400]
     need = [-(-n // PAGE) for n in kv_lens]
@@ -103,7 +90,7 @@ def test_prefill_variants_and_tree(dtype):
     tree = ba.layouts.tree(parents, tables, kv_lens, PAGE, sum(need))
     q, k, v = _inputs(rng, tree, dtype, dtype)
     got = ba.attention(q, k, v, tree, backend="torch", return_lse=True)
-    _check(got, q, k, v, tree, ba.Variant(), dtype, name="tree")
+    assert_matches_reference(got, q, k, v, tree, dtype, name="tree")
 
 
 def test_quest_and_cascade():
@@ -115,7 +102,7 @@ def test_quest_and_cascade():
     k, v = (torch.randn(n_pages, heads, PAGE, D, device="cuda", dtype=torch.float16) for _ in range(2))
     views = ba.layouts.per_head_views(q, k, v, heads)
     got = ba.attention(*views, layout, backend="torch", return_lse=True)
-    _check(got, *views, layout, ba.Variant(), "float16", name="quest")
+    assert_matches_reference(got, *views, layout, "float16", name="quest")
 
     casc = ba.layouts.shared_prefix([1] * 16, rng.permutation(256)[:200], 3200, [[256 + i] for i in range(16)],
                                     [int(n) for n in rng.integers(1, PAGE + 1, size=16)], PAGE, 272)
@@ -123,7 +110,7 @@ def test_quest_and_cascade():
     k, v = (torch.randn(272, PAGE, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
     attn = ba.BatchAttention(backend="torch")
     attn.plan(casc, HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
-    _check(attn.run(q, k, v, return_lse=True), q, k, v, casc, ba.Variant(), "float16", name="cascade")
+    assert_matches_reference(attn.run(q, k, v, return_lse=True), q, k, v, casc, "float16", name="cascade")
 
 
 # ---- CUDA graphs --------------------------------------------------------------------------------------
@@ -159,7 +146,7 @@ def test_cuda_graph_replays_across_replans():
         torch.cuda.synchronize()
         eager_o, eager_lse = attn.run(q, k, v, return_lse=True)
         assert torch.equal(out, eager_o) and torch.equal(lse, eager_lse), f"step {step}: replay != eager"
-        _check((out, lse), q, k, v, layout(lens), ba.Variant(), "float16", name=f"replay step {step}")
+        assert_matches_reference((out, lse), q, k, v, layout(lens), "float16", name=f"replay step {step}")
 
 
 # ---- torch.compile ------------------------------------------------------------------------------------
@@ -238,7 +225,7 @@ def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
     attn = ba.BatchAttention(backend="torch")
     attn.plan(layout, HQ, HKV, D, variant=variant, q_dtype="float16", kv_dtype="float16")
     first = attn.run(q, k, v, return_lse=True)
-    _check(first, q, k, v, layout, variant, "float16")
+    assert_matches_reference(first, q, k, v, layout, "float16", variant=variant)
 
     def same_bits_without_triton(*inputs, triton_calls=0):
         before = len(through_triton)
