@@ -35,13 +35,16 @@ def dtype_name(x) -> str:
     if isinstance(x, type):  # a scalar type; its ``dtype`` attribute is a descriptor, not a dtype
         x = np.dtype(x)
     dtype = getattr(x, "dtype", x)
-    name = _DTYPE_NAMES.get(dtype)
+    # NumPy dtypes apart: torch.compile (2.11) cannot trace a lookup in a dict that holds them.
+    names = _NUMPY_NAMES if isinstance(dtype, np.dtype) else _OTHER_NAMES
+    name = names.get(dtype)
     if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+        name = names[dtype] = str(dtype).removeprefix("torch.")
     return name
 
 
-_DTYPE_NAMES = {}  # dtype -> name: every call of a run checks a dozen dtypes
+_NUMPY_NAMES: dict = {}  # dtype -> name: every call of a run checks a dozen dtypes
+_OTHER_NAMES: dict = {}  # torch dtypes and names
 
 
 def lse_dtype(dtype) -> str:
