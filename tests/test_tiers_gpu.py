@@ -128,10 +128,19 @@ def test_ragged_prefill(gpu_backend, dtype):
     ba.Variant(causal=True, alibi_slopes=[2.0 ** -(8 * (h + 1) / HQ) for h in range(HQ)]),
     ba.Variant(sigmoid_bias=-2.0, sm_scale=0.05),
     ba.Variant(sm_scale=0.3),
-], ids=["soft_cap", "window", "alibi", "sigmoid", "sm_scale"])
+    ba.Variant(sinks=[0.5 * h - 4.0 for h in range(HQ)]),
+    ba.Variant(causal=True, window_left=128, sinks=[1.5 - 0.25 * h for h in range(HQ)]),
+], ids=["soft_cap", "window", "alibi", "sigmoid", "sm_scale", "sinks", "window_sinks"])
 def test_variants(gpu_backend, variant):
     layout, q, k, v = _paged_decode(seed=3)
     _compare(gpu_backend, layout, q, k, v, "float16", variant=variant)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_kv_scales_on_16_bit_kv(gpu_backend, dtype):
+    """``k_scale``/``v_scale`` apply to any KV dtype, not only fp8, on a split plan."""
+    layout, q, k, v = _paged_decode(seed=6)
+    _compare(gpu_backend, layout, q, k, v, dtype, scales=dict(k_scale=0.7, v_scale=1.3))
 
 
 def test_block_sparse_with_mask(gpu_backend):
