@@ -37,6 +37,9 @@ CASES = {
            for n, b in ((32768, 64), (32768, 512))],
     "w2": [("decode", f"W2 paged {b}x{n}", lambda s, b=b, n=n: w2.make_case(s, w2.GPU_SHAPE, "float16", [n] * b))
            for b, n in ((1, 1024), (16, 4096), (256, 16384))],
+    "w2-small": [("decode", f"W2 paged {b}x{n}",
+                  lambda s, b=b, n=n: w2.make_case(s, w2.GPU_SHAPE, "float16", [n] * b))
+                 for b, n in ((1, 16384), (4, 8192), (16, 4096))],
     "w3": [("prefill", f"W3 prefill {w3.label(spec)}",
             lambda s, spec=spec: w3.make_case(s, w3.GPU_SHAPE, w3.lengths(s.rng, spec), "ragged"))
            for spec in (("const", 16, 1024), ("uniform", 16, 256, 1792), ("const", 1, 8192))],

@@ -50,7 +50,9 @@ def make_model(suite):
     sizes = DRY_MODEL if suite.dry_run else GPU_MODEL
     config = transformers.LlamaConfig(**sizes, attn_implementation="sdpa")
     dtype = torch.float32 if suite.dry_run else torch.float16
-    return transformers.LlamaForCausalLM(config).to(device=suite.device, dtype=dtype).eval()
+    with torch.device(suite.device):  # the random weights drawn where they will live: seconds, not a minute
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(dtype=dtype).eval()
 
 
 def prefill(model, implementation, prompt):

@@ -94,7 +94,7 @@ class PagedModel:
             self._plan(self.cache.layout(requests, qo_lens) if prefix is None
                        else self.cache.cascade(prefix, requests, qo_lens))
             attend = self._attend
-        return self._forward(torch.cat([ids for _, ids in chunks]).to(self.model.device), positions, slots, rows,
+        return self._forward(torch.cat([ids.to(self.model.device) for _, ids in chunks]), positions, slots, rows,
                              attend)
 
     @torch.no_grad()
@@ -116,7 +116,7 @@ class PagedModel:
             slots.append(self.cache.extend(request, len(ids)))
         layout = self.cache.tree([r for r, _, _ in trees], [p for _, _, p in trees])
         self._plan(layout)
-        ids = torch.cat([ids for _, ids, _ in trees]).to(self.model.device)
+        ids = torch.cat([ids.to(self.model.device) for _, ids, _ in trees])
         return self._forward(ids, torch.cat(positions), torch.cat(slots), torch.arange(ids.numel()), self._attend)
 
     def _plan(self, layout):

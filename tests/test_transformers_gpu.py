@@ -38,7 +38,9 @@ MIN_TOLERANCE = 2e-2
 def llama_1b():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**LLAMA_1B, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.float16).eval()
+    with torch.device("cuda"):  # the random weights drawn on the GPU: seconds, not a minute
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(dtype=torch.float16).eval()
 
 
 def _run(model, implementation, *args, **kwargs):
