@@ -11,11 +11,7 @@ Two shapes of work, one kernel:
 ``num_ctas`` is CTAs per KV head (the scheduler's unit): the launch is ``num_ctas x num_kv_heads``
 programs, a fixed number of waves of the GPU, read from the device's SM count: two CTAs per SM at decode
 (both resident), four at prefill (one resident: the others queue, so the hardware evens out what the static
-plan cannot see, the causal triangle's unequal tiles; W3 16 x 1024: 645 -> 579 us). A decode batch of few
-(row, KV head) pairs, at most one per ``DECODE_FEW_PAIRS_PER`` SMs, is planned for one CTA per SM instead,
-which then runs 8 warps: each pair's KV is split over many CTAs anyway, and longer items with more loads in
-flight each beat twice the items merged through memory (H200, W2 1 x 16384: 55 -> 42 us; 4 x 8192 and
-W1 at budget 512, 32 pairs: 58 -> 57 us; 16 x 4096, 128 pairs, keeps two CTAs: 87 us against 94).
+plan cannot see, the causal triangle's unequal tiles; W3 16 x 1024: 645 -> 579 us).
 
 Decode chunks are whole KV tiles (``kv_align = BLOCK_N``) of at least ``DECODE_MIN_SPLIT`` slots. Measured
 on the H200 (``benchmarks/tune.py``, NOTES.md): with chunks of exactly ``L_kv`` the per-row ceilings
@@ -38,8 +34,6 @@ DECODE_ROWS = 64
 """A tile whose query rows x group heads fit in this many rows is run with the decode shapes."""
 
 CTAS_PER_SM = {"decode": 2, "prefill": 4}
-DECODE_FEW_PAIRS_PER = 4
-"""A decode batch of at most ``num_sms // DECODE_FEW_PAIRS_PER`` (row, KV head) pairs runs one CTA per SM."""
 DECODE_MIN_SPLIT = 256
 PREFILL_BLOCK_M = 128
 INTERPRETER_SMS = 4
@@ -89,10 +83,9 @@ def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False) -> Tiles:
 
     Measured on the H200 (``benchmarks/tune.py``, NOTES.md). Decode streams KV: 3 pipeline stages keep two
     tiles in flight behind the one being used (the tile's block ids are loaded a tile ahead), and two CTAs of
-    4 warps share an SM. A decode plan with ``few_items`` (no more busy programs than SMs: a small batch, or
-    a plan for one CTA per SM, see :func:`plan_options`) leaves no second CTA to share an SM; 8 warps then
-    put more loads in flight for each item (W1 at budget 64: 22.4 -> 18.2 us). Prefill is FLOP-bound: 128 x 64
-    tiles on 8 warps (two warpgroups of wgmma), 3 stages.
+    4 warps share an SM. A decode plan with ``few_items`` (fewer busy programs than SMs) leaves SMs idle
+    whatever the tile; 8 warps then put more loads in flight for each item (W1 at budget 64: 22.4 -> 18.2
+    us). Prefill is FLOP-bound: 128 x 64 tiles on 8 warps (two warpgroups of wgmma), 3 stages.
     Shared memory per stage is ``block_n x block_d`` for each of K and V; every choice keeps a CTA inside the
     H200's 227 KiB (two per SM at decode shapes).
     """
@@ -140,9 +133,7 @@ def plan_options(spec, device=None) -> dict:
         m = block_m(tallest, spec.group_size)
     else:
         m = 64 if block_d(spec.head_dim) > 128 or spec.q_dtype == "float32" else PREFILL_BLOCK_M
-    sms = num_sms(device)
-    few_pairs = kind == "decode" and spec.layout.num_rows * spec.num_kv_heads * DECODE_FEW_PAIRS_PER <= sms
-    ctas = max(1, sms * (1 if few_pairs else CTAS_PER_SM[kind]) // spec.num_kv_heads)
+    ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // spec.num_kv_heads)
     if kind == "decode":
         block_n = tiles(m, spec.head_dim, spec.q_dtype).block_n
         return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=DECODE_MIN_SPLIT,

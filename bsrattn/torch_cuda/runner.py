@@ -87,7 +87,7 @@ class Runner:
             spec, variant = self.spec, self.spec.variant
             busy = self.work_plan.num_items * spec.num_kv_heads  # programs with work
             t = cfg.tiles(cfg.block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype,
-                          few_items=busy <= cfg.num_sms(self.device))
+                          few_items=busy < cfg.num_sms(self.device))
             self._configs[key] = cfg.LaunchConfig(
                 num_ctas=self.work_plan.num_ctas, num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
                 head_dim=spec.head_dim, block_size=spec.layout.block_size, block_m=t.block_m, block_n=t.block_n,
