@@ -136,6 +136,7 @@ def test_cuda_graph_replays_across_replans():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         attn.run(q, k, v, out=out, lse=lse)
+    assert buffers.captured, "a launch inside the capture flags its buffers, for the re-plan's check"
     for step in range(4):
         lens = rng.integers(1, max_len + 1, size=batch)
         attn.plan(layout(lens), HQ, HKV, D, q_dtype="float16", kv_dtype="float16")

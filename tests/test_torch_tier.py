@@ -11,6 +11,8 @@ layout's raw inputs, within the dtype's error budget), merges against ``helpers.
 
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -279,6 +281,27 @@ def test_replan_refills_buffers_in_place_and_replays():
     with pytest.warns(RuntimeWarning, match="recapture any CUDA graph"):
         attn.plan(big, 4, 2, 16, num_ctas=3)
     assert attn._runners[0].buffers is not buffers, "a plan over capacity gets new buffers"
+
+
+@pytest.mark.parametrize("change", [dict(variant=ba.Variant(causal=True)), dict(variant=ba.Variant(sm_scale=0.5)),
+                                    dict(variant=ba.Variant(sinks=[1.0] * 4))], ids=["causal", "scale", "sinks"])
+def test_a_replan_that_changes_what_a_captured_graph_recorded_warns(change):
+    """A CUDA graph captured on a runner's buffers records the launch's grid, compile-time switches and scalars;
+    a re-plan refills the buffers in place, so one that changes any of those would make the graph's replays
+    run the old launch over the new plan: it is warned, and a re-plan that keeps them is not. (Another grid
+    never fits the buffers: that re-plan gets new ones, and its own warning, above.)"""
+    layout = paged_case(np.random.default_rng(12))
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout, 4, 2, 16, num_ctas=3)
+    buffers = attn._runners[0].buffers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attn.plan(layout, 4, 2, 16, num_ctas=3, **change)  # nothing captured: any re-plan is fine
+        buffers.captured = True  # what a launch inside torch.cuda.graph() sets (tests/test_torch_gpu.py)
+        attn.plan(paged_case(np.random.default_rng(13)), 4, 2, 16, num_ctas=3, **change)  # new lengths only
+    with pytest.warns(RuntimeWarning, match=r"a CUDA graph was captured on these buffers.*recapture it"):
+        attn.plan(layout, 4, 2, 16, num_ctas=3)
+    assert attn._runners[0].buffers is buffers
 
 
 def test_same_plan_same_bits():

@@ -198,6 +198,7 @@ class PlanBuffers:
         # Stands in for lse when the caller wants none: a launch always gets a tensor there.
         self.no_lse = torch.empty((1, 1), dtype=torch.float32, device=device)
         self.launches = {}  # LaunchConfig -> the executor's Launch bound to these buffers (runner.py)
+        self.captured = False  # whether a CUDA graph capture has launched on these buffers (runner.py)
         self._turn = threading.Lock()
         self._stream = None  # the CUDA stream of the last launch or refill
 

@@ -5,7 +5,10 @@ when they are large enough — so a CUDA graph captured around ``run`` replays t
 (``num_ctas x num_kv_heads``), the buffer addresses, the workspace offsets and every scalar argument stay
 the same. What a graph does record, and what must therefore not change between the plans it replays:
 the launch configuration (:class:`~bsrattn.torch_cuda.config.LaunchConfig`: tile sizes from ``tile_q``,
-the variant, dtypes, the KV view) and the tensors passed to ``run``. ``run`` allocates nothing but the
+the variant, dtypes, the KV view) and the tensors passed to ``run``. A re-plan over buffers that a launch
+inside a graph capture used warns when it changes the variant, the block size or whether a custom mask is
+read (a plan for another grid never fits the buffers: it gets new ones, and a warning too); tile shapes may
+change, since the kernel runs any plan of its buffers correctly with any. ``run`` allocates nothing but the
 outputs it is not given, and never synchronises with the host. The refill is an asynchronous copy on the
 current stream at ``plan`` time: run on that stream (or order the two), as with any stream-ordered write.
 One runner's workspace serves one launch at a time: calls from several threads or CUDA streams take turns
@@ -68,6 +71,13 @@ class Runner:
             # Headroom keeps later re-plans (CUDA graphs) in place; a one-shot call needs none.
             capacity = need.grown(work_plan, spec.num_qo_heads, spec.head_dim) if headroom else need.rounded()
             buffers = PlanBuffers(capacity, *shape)
+        if replan and buffers is spare and buffers.captured:
+            changed = [name for name, was, now in zip(_RECORDED, _recorded(previous.spec),
+                                                      _recorded(spec)) if was != now]
+            if changed:
+                warnings.warn(f"a CUDA graph was captured on these buffers, and the new plan changes what it "
+                              f"recorded ({', '.join(changed)}); its replays would run the old plan's launch on "
+                              f"the new plan's buffers, so recapture it", RuntimeWarning, stacklevel=3)
         # The kernel carries the dense load path only for a plan with affine rows (LaunchConfig.dense_rows).
         with buffers.ordered():
             self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
@@ -142,6 +152,8 @@ class Runner:
                                             b.sync, b.sections, self.launch_config(*key).to_list(), list(scalars))
         else:
             launch = self._launch(key)
+            if not b.captured and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                b.captured = True  # a later re-plan checks it keeps what the graph recorded
             with b.ordered():
                 launch(q_t, k_t, v_t, out_t, lse_arg, scalars)
         if as_numpy:
@@ -163,6 +175,21 @@ class Runner:
         if given.dtype != dtype:
             raise TypeError(f"{name} has dtype {dtype_name(given)}, expected {str(dtype).removeprefix('torch.')}")
         return given
+
+
+_RECORDED = ("block_size", "whether a custom mask is read", "the score scale", "the causal mask", "the window",
+             "the soft cap", "whether ALiBi is on", "the sigmoid bias", "the sinks")
+
+
+def _recorded(spec) -> tuple:
+    """What a CUDA graph captured around :meth:`Runner.run` records of a plan, beyond the buffers' contents that
+    a re-plan refills (:data:`_RECORDED` names them): the kernel's compile-time switches and scalar arguments.
+    (The grid is the buffers' own: a plan for another ``num_ctas`` never fits them.) Tile shapes and warps may
+    change: the kernel runs any plan of the buffers correctly with any."""
+    variant = spec.variant
+    return (spec.layout.block_size, spec.layout.custom_mask is not None, spec.sm_scale,
+            variant.causal, variant.window_left, variant.logits_soft_cap, variant.alibi_slopes is not None,
+            variant.sigmoid_bias, variant.sinks)
 
 
 def make_runner(spec, work_plan, previous=None) -> Runner:
