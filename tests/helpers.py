@@ -441,3 +441,16 @@ def flattened_problem(problem):
     """A shared-prefix problem as its flattened single layout (absolute positions; accepts ALiBi/windows)."""
     case = replace(problem.case, layout=problem.case.layout.flatten(), kind="shared_prefix")
     return replace(problem, case=case)
+
+
+def generate_each(model, prompts, counts, system=None) -> list:
+    """``model.generate``'s greedy new tokens for each prompt alone (behind ``system``, a token tensor, when
+    given): what a serving loop's batched, paged decoding must reproduce request by request."""
+    import torch
+
+    out = []
+    for prompt, n in zip(prompts, counts):
+        full = prompt if system is None else torch.cat([system, prompt])
+        with torch.no_grad():
+            out.append(model.generate(full[None], max_new_tokens=n, do_sample=False)[0, full.numel():].tolist())
+    return out

@@ -21,6 +21,7 @@ from bsrattn.integrations.paged import PagedKVCache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import paged_generation  # noqa: E402
+from helpers import generate_each  # noqa: E402
 
 VOCAB = 128
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -38,16 +39,6 @@ def llama():
 def _prompts(lengths, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]  # no special tokens (0-2)
-
-
-def _generate_each(model, prompts, counts, system=None):
-    """``model.generate``'s greedy tokens for each prompt alone (behind ``system`` when given)."""
-    out = []
-    for prompt, n in zip(prompts, counts):
-        full = prompt if system is None else torch.cat([system, prompt])
-        with torch.no_grad():
-            out.append(model.generate(full[None], max_new_tokens=n, do_sample=False)[0, full.numel():].tolist())
-    return out
 
 
 # ---- the cache ---------------------------------------------------------------------------------------------
@@ -141,7 +132,7 @@ def test_continuous_batching_gives_generates_tokens(llama, backend):
     prompts, counts = _prompts((5, 9, 3)), [6, 4, 5]
     got = paged_generation.generate(llama, prompts, counts, arrivals=[0, 1, 7], num_pages=7, page_size=4,
                                     backend=backend)
-    assert got == _generate_each(llama, prompts, counts)
+    assert got == generate_each(llama, prompts, counts)
 
 
 def test_a_shared_system_prompt_gives_generates_tokens(llama):
@@ -149,7 +140,7 @@ def test_a_shared_system_prompt_gives_generates_tokens(llama):
     prompts, counts = _prompts((5, 9, 3)), [6, 4, 5]
     got = paged_generation.generate(llama, prompts, counts, arrivals=[0, 1, 1], system_prompt=system,
                                     num_pages=16, page_size=4, backend="reference")
-    assert got == _generate_each(llama, prompts, counts, system)
+    assert got == generate_each(llama, prompts, counts, system)
 
 
 def test_speculative_tree_decoding_gives_generates_tokens_in_fewer_steps(llama):
@@ -158,7 +149,7 @@ def test_speculative_tree_decoding_gives_generates_tokens_in_fewer_steps(llama):
     prompts, counts = _prompts((5, 9, 3)), [12, 10, 12]
     got, steps = paged_generation.generate_speculative(llama, prompts, counts, arrivals=[0, 2, 3], num_pages=16,
                                                        page_size=4, backend="reference")
-    assert got == _generate_each(llama, prompts, counts)
+    assert got == generate_each(llama, prompts, counts)
     assert steps < sum(map(len, got)) - len(got), "no draft token was ever accepted: the trees went unused"
 
 
@@ -167,7 +158,7 @@ def test_drafts_right_wrong_and_half_right_are_accepted_exactly_as_far_as_they_a
     wrong, one is wrong from the start, and every other step one is right three tokens deep. The verifier
     must accept exactly the right part, whatever the depth of the mistake."""
     prompts, counts = _prompts((4, 7)), [9, 9]
-    want = _generate_each(llama, prompts, counts)
+    want = generate_each(llama, prompts, counts)
 
     def drafter(request, history):
         done = len(history) - len(prompts[request])  # tokens generated so far
@@ -188,7 +179,7 @@ def test_quest_with_a_budget_over_every_page_gives_generates_tokens(llama):
     prompts, counts = _prompts((5, 9, 3)), [6, 4, 5]
     got = paged_generation.generate(llama, prompts, counts, arrivals=[0, 1, 2], quest_budget=64, num_pages=16,
                                     page_size=4, backend="reference")
-    assert got == _generate_each(llama, prompts, counts)
+    assert got == generate_each(llama, prompts, counts)
 
 
 @pytest.mark.parametrize("seed", [4, 5, 6])

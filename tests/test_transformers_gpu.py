@@ -24,6 +24,7 @@ import bsrattn.integrations.transformers as bsrattn_hf  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import paged_generation  # noqa: E402
+from helpers import generate_each  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -108,15 +109,6 @@ def _prompts(lengths, seed=1):
     return [torch.randint(3, 256, (n,), generator=gen).cuda() for n in lengths]
 
 
-def _generate_each(model, prompts, counts, system=None):
-    out = []
-    for prompt, n in zip(prompts, counts):
-        full = prompt if system is None else torch.cat([system, prompt])
-        with torch.no_grad():
-            out.append(model.generate(full[None], max_new_tokens=n, do_sample=False)[0, full.numel():].tolist())
-    return out
-
-
 @pytest.mark.parametrize("system_len", [0, 37], ids=["no system prompt", "shared system prompt"])
 def test_the_paged_loop_on_the_gpu_gives_generates_tokens(small_llama, system_len):
     small_llama.set_attn_implementation("sdpa")
@@ -124,4 +116,4 @@ def test_the_paged_loop_on_the_gpu_gives_generates_tokens(small_llama, system_le
     system = _prompts((system_len,), seed=3)[0] if system_len else None
     got = paged_generation.generate(small_llama, prompts, counts, arrivals=[0, 1, 3, 8], system_prompt=system,
                                     num_pages=64, page_size=16, backend="torch")
-    assert got == _generate_each(small_llama, prompts, counts, system)
+    assert got == generate_each(small_llama, prompts, counts, system)
