@@ -304,6 +304,24 @@ def test_a_replan_that_changes_what_a_captured_graph_recorded_warns(change):
     assert attn._runners[0].buffers is buffers
 
 
+def test_a_causal_mask_that_hides_no_key_is_left_out_of_the_launch():
+    """A decode step's query sits at its row's last position: causal hides none of its keys, so the launch runs
+    without the mask and without the second pass that only hidden keys need; the answer is the causal one.
+    A row of two queries keeps both, and a graph captured on the decode plan is warned about at that re-plan."""
+    rng = np.random.default_rng(14)
+    causal = ba.Variant(causal=True)
+    problem = paged_problem(rng, variant=causal, qo_lens=(1, 1, 1), kv_lens=(45, 12, 70))
+    run, attn = _batch(problem, num_ctas=2, fixed_split_size=16)
+    check_attention(run, problem, "float32", name="causal decode")
+    config = attn._runners[0].launch_config("float32", "NHD", True)
+    assert not config.causal and not config.hidden_keys
+    attn._runners[0].buffers.captured = True  # as a launch inside torch.cuda.graph() sets it
+    with pytest.warns(RuntimeWarning, match="the causal mask"):
+        attn.plan(paged_case(rng, qo_lens=(1, 2, 1), kv_lens=(45, 12, 70), extra=0), 4, 2, 16, variant=causal,
+                  num_ctas=2, fixed_split_size=16)
+    assert attn._runners[0].launch_config("float32", "NHD", True).hidden_keys
+
+
 def test_same_plan_same_bits():
     rng = np.random.default_rng(10)
     layout = paged_case(rng)
