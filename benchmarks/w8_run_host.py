@@ -2,13 +2,15 @@
 
 Decode (batch 1 x kv 1024, 16 x 4096; fp16, page 16, scattered pages) and causal ragged prefill (1 x 1024,
 4 x 512; bf16); 32 query / 8 KV heads, head_dim 128. Every implementation is checked against the float64
-reference first, then timed two ways:
+reference first, then timed three ways:
 
 - ``host``, the figure: the host time per call of a tight loop of 20 calls, no flush and no synchronize
   between them (``timing.time_host_loop``), so it is what each call costs the CPU while the GPU queue absorbs
   the kernels. Where it exceeds the GPU time, a model's decode step is bound by it.
 - ``eager``: the suite's eager mode, one call after an L2 flush and a synchronize, bracketed by CUDA events:
   the host's launch cost plus the GPU time, as one isolated call sees it.
+- ``queued``: the call's GPU time alone, each call queued behind a spin kernel that hides its host cost
+  (``timing.time_queued``), beside which the host figure says whether the host or the GPU bounds a step.
 
 Implementations:
 
@@ -61,14 +63,14 @@ def measure_all(suite, config, case, plan, variant, scales, flashinfer):
         suite.measure(config, f"bsrattn-{tier}",
                       harness.bsrattn_build(tier, case.layout, case.q, case.k, case.v, plan=plan, out=case.out,
                                             run=scales),
-                      out=case.out if tier != "reference" else None, graph="host-cost workload: eager only",
+                      out=case.out if tier != "reference" else None, graph="host-cost workload: calls from Python",
                       host_loop=True, **case.check_args())
     tier = tiers[0]
     suite.measure(config, f"bsrattn-{tier}-oneshot", partial(build_one_shot, tier, case, variant, scales),
-                  out=case.out if tier != "reference" else None, graph="host-cost workload: eager only",
+                  out=case.out if tier != "reference" else None, graph="host-cost workload: calls from Python",
                   host_loop=True, **case.check_args())
     suite.measure(config, flashinfer[0], flashinfer[1], out=case.out, needs_cuda=True,
-                  graph="host-cost workload: eager only", host_loop=True, **case.check_args())
+                  graph="host-cost workload: calls from Python", host_loop=True, **case.check_args())
 
 
 def run(suite) -> None:
