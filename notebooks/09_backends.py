@@ -187,7 +187,8 @@ def gather_one_tile(k_words, v_words, kv_indices, row_block_start, block_size, k
     v_tile = cuda.shared.array((TILE, STRIDE), WORD)
     k_staged = cuda.local.array(STAGED, WORD)
     v_staged = cuda.local.array(STAGED, WORD)
-    resolve_rows(t, kv_rows, kv_indices, row_block_start, 0, block_size, num_kv_heads, kv_head, kv0, kv_end)
+    # -1: the row has no first slot of a contiguous run, so its slots go through the page table (sparse path).
+    resolve_rows(t, kv_rows, kv_indices, row_block_start, -1, block_size, num_kv_heads, kv_head, kv0, kv_end)
     cuda.syncthreads()
     load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows)
     store_rows(t, k_staged, v_staged, k_tile, v_tile)
@@ -209,7 +210,9 @@ k_tile = k_out.copy_to_host().view(np.float32)                            # [TIL
 expected_tile = gather(kv_as_slots(k32, spec), layout, 0, 0, TILE)[:, kv_head]
 print("storage rows:", rows_out.copy_to_host(), " (pool slot * Hkv + head)")
 print("pool slots:  ", layout.kv_slots(0)[:TILE])
-print("gathered K tile == reference gather:", np.array_equal(k_tile, expected_tile.astype(np.float32)))
+same = np.array_equal(k_tile, expected_tile.astype(np.float32))
+print("gathered K tile == reference gather:", same)
+assert same, "the numba gather and the reference disagree"
 
 # %% [markdown]
 # **Stages 2 and 3, the microkernel and the executor.** `runner.run` launches the persistent kernel on the grid
