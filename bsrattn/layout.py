@@ -548,7 +548,8 @@ class Cascade:
     Every level has the same query rows (``nnz_qo``) and reads the same KV pool; level ``l`` covers a
     disjoint part of each query's keys. The attention over the cascade is the ⊕-fold of the levels' states
     in level order. Levels before the last precede every query (a shared prefix), so position masks apply
-    only within the last level; variants that need absolute positions (ALiBi, sliding window) are rejected.
+    only within the last level; variants that need absolute positions (ALiBi, sliding window, fused RoPE) are
+    rejected.
 
     Parameters
     ----------
@@ -612,13 +613,13 @@ class Cascade:
         Raises
         ------
         ValueError
-            ``variant`` has ALiBi slopes or a sliding window.
+            ``variant`` has ALiBi slopes, a sliding window or fused RoPE.
         """
         from dataclasses import replace
 
-        if variant.alibi_slopes is not None or variant.window_left >= 0:
-            raise ValueError("Cascade does not support alibi_slopes or window_left: its levels do not know "
-                             "absolute positions; use the flattened layout (Cascade.flatten())")
+        if variant.alibi_slopes is not None or variant.window_left >= 0 or variant.use_rope:
+            raise ValueError("Cascade does not support alibi_slopes, window_left or rope_theta: its levels do not "
+                             "know absolute positions; use the flattened layout (Cascade.flatten())")
         return variant if level == len(self.levels) - 1 else replace(variant, causal=False)
 
     def flatten(self) -> BSRLayout:

@@ -204,7 +204,7 @@ def make_spec(layout, num_qo_heads, num_kv_heads, head_dim, variant=None, q_dtyp
     head_dim = as_int("head_dim", head_dim, minimum=1)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    variant.check_heads(num_qo_heads)
+    variant.check_heads(num_qo_heads, head_dim)
     q_dtype = None if q_dtype is None else _dtype_arg("q_dtype", q_dtype, FLOAT_DTYPES)
     kv_dtype = None if kv_dtype is None else _dtype_arg("kv_dtype", kv_dtype, FLOAT_DTYPES + FP8_DTYPES)
     if kv_view not in ("NHD", "HND", "NHD3"):

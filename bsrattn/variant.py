@@ -2,6 +2,17 @@
 
 For a query at position ``q_pos`` and a key at ``k_pos`` (logical positions, see :mod:`bsrattn.layout`):
 
+0. fused RoPE (``rope_theta``), FlashInfer's ``ROPE_LLAMA`` (Llama's rotate-half form): ``q`` and ``k`` are
+   rotated at their positions, each pair of dimensions ``(i, i + D/2)`` by the angle ``pos * f_i``::
+
+       f_i = rope_theta ** (-2 i / D) / rope_scale,                 i = 0 .. D/2 - 1
+       x'_i       = x_i cos(pos f_i) - x_{i+D/2} sin(pos f_i)
+       x'_{i+D/2} = x_{i+D/2} cos(pos f_i) + x_i sin(pos f_i)
+
+   so a cache may hold un-rotated keys. The positions are the logical ones (a key at its slot of the row, a
+   query at ``kv_len - qo_len + i``): a layout whose slots are a request's positions (dense, ragged, paged)
+   rotates at the request's positions; one whose slots skip positions (Quest's selected pages, a pruned or
+   tree layout) rotates at the slots, so rotate such keys before they are cached instead.
 1. ``s = sm_scale * (q . k)``
 2. soft cap: ``s = cap * tanh(s / cap)`` when ``logits_soft_cap > 0``
 3. ALiBi: ``s = s + slope[h] * (k_pos - q_pos)`` when ``alibi_slopes`` is given
@@ -91,6 +102,11 @@ class Variant:
     sinks : sequence of float, optional
         ``[num_qo_heads]`` attention-sink logits (gpt-oss, StreamingLLM): each joins its head's softmax
         denominator and receives no value (step 6 above). Not with ``sigmoid_bias``.
+    rope_theta : float, optional
+        Fused RoPE's base (step 0 above; Llama: 1e4, Llama 3: 5e5); None disables it. ``head_dim`` must then
+        be even.
+    rope_scale : float
+        Fused RoPE's position interpolation factor: positions are divided by it. Only with ``rope_theta``.
 
     Examples
     --------
@@ -107,6 +123,8 @@ class Variant:
     alibi_slopes: tuple | None = None
     sigmoid_bias: float | None = None
     sinks: tuple | None = None
+    rope_theta: float | None = None
+    rope_scale: float = 1.0
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -136,11 +154,55 @@ class Variant:
             set_(self, "sigmoid_bias", bias)
             if self.sinks is not None:
                 raise ValueError("sinks join a softmax's denominator; FlashSigmoid (sigmoid_bias) has none")
+        if self.rope_theta is not None:
+            theta = as_real("rope_theta", self.rope_theta)
+            if not math.isfinite(theta) or theta <= 0:
+                raise ValueError(f"rope_theta must be a positive finite float, got {self.rope_theta}")
+            set_(self, "rope_theta", theta)
+        rope_scale = as_real("rope_scale", self.rope_scale)
+        if not math.isfinite(rope_scale) or rope_scale <= 0:
+            raise ValueError(f"rope_scale must be a positive finite float, got {self.rope_scale}")
+        if self.rope_theta is None and rope_scale != 1.0:
+            raise ValueError(f"rope_scale={self.rope_scale} without rope_theta: set rope_theta to turn fused RoPE on")
+        set_(self, "rope_scale", rope_scale)
 
     @property
     def use_sigmoid(self) -> bool:
         """Whether this is FlashSigmoid (``sigmoid_bias`` set): states then add, and ``lse`` is undefined."""
         return self.sigmoid_bias is not None
+
+    @property
+    def use_rope(self) -> bool:
+        """Whether fused RoPE is on (``rope_theta`` set)."""
+        return self.rope_theta is not None
+
+    def rope_frequencies(self, head_dim: int) -> np.ndarray:
+        """Fused RoPE's angle per position of each dimension pair, ``f_i`` of step 0 above.
+
+        Parameters
+        ----------
+        head_dim : int
+            The head dimension of ``q`` and ``k`` (even).
+
+        Returns
+        -------
+        numpy.ndarray
+            ``[head_dim // 2]`` float64: ``rope_theta ** (-2 i / head_dim) / rope_scale``.
+
+        Raises
+        ------
+        ValueError
+            Fused RoPE is off.
+
+        Examples
+        --------
+        >>> import bsrattn as ba
+        >>> ba.Variant(rope_theta=100.0, rope_scale=2.0).rope_frequencies(4).tolist()
+        [0.5, 0.05]
+        """
+        if self.rope_theta is None:
+            raise ValueError("rope_frequencies needs rope_theta (fused RoPE is off)")
+        return self.rope_theta ** (-2.0 * np.arange(head_dim // 2) / head_dim) / self.rope_scale
 
     def scale(self, head_dim: int) -> float:
         """The score scale for ``head_dim``.
@@ -157,13 +219,15 @@ class Variant:
         """
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(head_dim)
 
-    def check_heads(self, num_qo_heads: int) -> None:
-        """Raise unless the variant fits ``num_qo_heads`` query heads.
+    def check_heads(self, num_qo_heads: int, head_dim: int | None = None) -> None:
+        """Raise unless the variant fits ``num_qo_heads`` query heads (and heads of ``head_dim``).
 
         Parameters
         ----------
         num_qo_heads : int
             The query heads of the attention.
+        head_dim : int, optional
+            Their dimension: fused RoPE rotates pairs of dimensions, so it must be even.
 
         Returns
         -------
@@ -172,12 +236,16 @@ class Variant:
         Raises
         ------
         ValueError
-            ``alibi_slopes`` or ``sinks`` without one value per query head.
+            ``alibi_slopes`` or ``sinks`` without one value per query head; fused RoPE on heads of odd
+            ``head_dim``.
         """
         for name in ("alibi_slopes", "sinks"):
             values = getattr(self, name)
             if values is not None and len(values) != num_qo_heads:
                 raise ValueError(f"{name} has {len(values)} entries, num_qo_heads is {num_qo_heads}")
+        if self.use_rope and head_dim is not None and head_dim % 2:
+            raise ValueError(f"fused RoPE (rope_theta) rotates pairs of dimensions: head_dim must be even, "
+                             f"got {head_dim}")
 
     def position_mask(self, qo_len: int, kv_len: int, kv_start: int = 0, kv_end: int | None = None) -> np.ndarray:
         """``[qo_len, kv_end - kv_start]`` bool: the causal / window mask of one row's keys in a range.

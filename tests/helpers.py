@@ -216,11 +216,28 @@ def visible(view, variant) -> np.ndarray:
     return keep
 
 
+def rotate(x, pos, variant, dtype):
+    """Fused RoPE from its definition (``bsrattn.variant``, step 0): ``x [..., D]`` at positions ``pos [...]``, as a
+    framework rotates before attention: in float32 unless ``dtype`` is float64, the result rounded to ``dtype``."""
+    work = np.float64 if dtype == "float64" else np.float32
+    d = x.shape[-1]
+    half = d // 2
+    inv_freq = (1.0 / variant.rope_theta ** (np.arange(0, d, 2) / d) / variant.rope_scale).astype(work)
+    angle = np.asarray(pos, dtype=work)[..., None] * inv_freq
+    cos, sin = np.cos(angle), np.sin(angle)
+    x = np.asarray(x, dtype=work)
+    lo, hi = x[..., :half], x[..., half:]
+    return np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1).astype(NUMPY_DTYPES[dtype])
+
+
 def _naive_query(q, K, V, view, variant, scale, slope, dtype):
     """One query head ``q [D]`` over the keys of ``view`` in the KV head's pool ``K, V [num_slots, D]``."""
     keep = visible(view, variant)
     bias = None if slope is None else slope * (view.k_pos - view.q_pos)[keep]
-    return naive_attention_row(q, K[view.slots[keep]], V[view.slots[keep]], scale, dtype,
+    keys = K[view.slots[keep]]
+    if variant.use_rope:
+        q, keys = rotate(q, view.q_pos, variant, dtype), rotate(keys, view.k_pos[keep], variant, dtype)
+    return naive_attention_row(q, keys, V[view.slots[keep]], scale, dtype,
                                soft_cap=variant.logits_soft_cap, bias=bias, sigmoid_bias=variant.sigmoid_bias)
 
 

@@ -98,6 +98,8 @@ def _calls():
     return [
         ("paged fp16, every softmax feature", lambda: planned(paged, 8, 2, every_softmax_feature, np.float16,
                                                               np.float16)),
+        ("paged fp16/e4m3, fused RoPE", lambda: planned(paged, 8, 2, ba.Variant(causal=True, rope_theta=1e4),
+                                                        np.float16, ml_dtypes.float8_e4m3fn, k_scale=0.5, v_scale=2.0)),
         ("tree fp16/e4m3, mask, sigmoid", lambda: planned(tree, 8, 2, ba.Variant(sigmoid_bias=-1.0), np.float16,
                                                           ml_dtypes.float8_e4m3fn, k_scale=0.5, v_scale=2.0)),
         ("ragged fp64, dense path, 3-D", lambda: planned(ragged, 4, 4, ba.Variant(causal=True), np.float64,

@@ -221,7 +221,7 @@ def head_configs(draw, num_kv_heads=None, max_qo_heads=4):
 
 @st.composite
 def variants(draw, num_qo_heads, positions=True, sigmoid=True):
-    """A Variant; ``positions=False`` leaves out ALiBi and the sliding window (Cascade, Quest)."""
+    """A Variant; ``positions=False`` leaves out ALiBi, the sliding window and fused RoPE (Cascade, Quest)."""
     kwargs = dict(causal=draw(st.booleans()))
     if draw(st.booleans()):
         kwargs["sm_scale"] = draw(st.floats(0.05, 1.0))
@@ -231,6 +231,9 @@ def variants(draw, num_qo_heads, positions=True, sigmoid=True):
         kwargs["window_left"] = draw(st.integers(0, 12))
     if positions and draw(st.booleans()):
         kwargs["alibi_slopes"] = [2.0 ** -draw(st.integers(0, 6)) for _ in range(num_qo_heads)]
+    if positions and draw(st.integers(0, 3)) == 0:
+        kwargs["rope_theta"] = draw(st.sampled_from([10.0, 1e4]))
+        kwargs["rope_scale"] = draw(st.sampled_from([1.0, 2.5]))
     if sigmoid and draw(st.integers(0, 4)) == 0:
         kwargs["sigmoid_bias"] = draw(st.floats(-3.0, 3.0))
     return ba.Variant(**kwargs)

@@ -251,6 +251,8 @@ VARIANT_FIELDS = {
     "sm_scale a bool": (dict(sm_scale=True), r"sm_scale must be a real number, got True"),
     "window_left a float": (dict(window_left=2.0), r"window_left must be an int, got 2\.0"),
     "sinks a string": (dict(sinks="x"), r"sinks must be a sequence of real numbers, got 'x'"),
+    "rope_theta a string": (dict(rope_theta="1e4"), r"rope_theta must be a real number, got '1e4'"),
+    "rope_scale None": (dict(rope_theta=1e4, rope_scale=None), r"rope_scale must be a real number, got None"),
 }
 
 

@@ -117,7 +117,8 @@ def test_every_layout_kind(kind):
     ba.Variant(causal=True, alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
     ba.Variant(sigmoid_bias=-0.5),
     ba.Variant(causal=True, window_left=5, logits_soft_cap=3.0, alibi_slopes=[0.3, 0.2, 0.1, 0.05]),
-], ids=["sm_scale", "causal", "window", "window0", "soft_cap", "alibi", "sigmoid", "combined"])
+    ba.Variant(causal=True, rope_theta=100.0, rope_scale=1.5),
+], ids=["sm_scale", "causal", "window", "window0", "soft_cap", "alibi", "sigmoid", "combined", "rope"])
 def test_every_variant_field(variant):
     _check(paged_problem(variant, seed=2))
 

@@ -32,7 +32,7 @@ DEVICE = torch.device("cpu" if tcfg.interpreting() else "cuda")
 HQ, HKV, HEAD_DIM = 4, 2, 16
 
 
-def expected_sections(work_plan, layout, alibi_slopes=None) -> dict:
+def expected_sections(work_plan, layout, alibi_slopes=None, rope_freqs=None) -> dict:
     """Each section's content, built field by field with loops over items and rows."""
     wp = work_plan
     merge_of_partial = {}
@@ -55,8 +55,9 @@ def expected_sections(work_plan, layout, alibi_slopes=None) -> dict:
         rows.append([int(field[name]) for name in ITEM_FIELDS] + [0] * (ITEM_STRIDE - len(ITEM_FIELDS)))
     sections = {"cta_indptr": wp.cta_indptr, "items": np.array(rows, dtype=np.int32).reshape(-1),
                 "merge_partials": wp.merge_partials, "kv_indices": layout.kv_indices}
-    if alibi_slopes is not None:
-        sections["alibi"] = np.asarray(alibi_slopes, dtype=np.float32).view(np.int32)
+    for name, values in (("alibi", alibi_slopes), ("rope", rope_freqs)):
+        if values is not None:
+            sections[name] = np.asarray(values, dtype=np.float32).view(np.int32)
     return sections
 
 
@@ -65,8 +66,8 @@ def written(buffers, expected) -> dict:
     return {name: buffers.section(name)[:len(want)].cpu().numpy() for name, want in expected.items()}
 
 
-def assert_packed(buffers, work_plan, layout, alibi_slopes=None):
-    want = expected_sections(work_plan, layout, alibi_slopes)
+def assert_packed(buffers, work_plan, layout, alibi_slopes=None, rope_freqs=None):
+    want = expected_sections(work_plan, layout, alibi_slopes, rope_freqs)
     for name, got in written(buffers, want).items():
         np.testing.assert_array_equal(got, want[name], err_msg=f"section {name}")
     # The numba tier uploads the same item rows, packed alone.
@@ -78,14 +79,17 @@ def assert_packed(buffers, work_plan, layout, alibi_slopes=None):
 
 @st.composite
 def planned_layouts(draw):
-    """A layout of any kind (one level of a cascade), a plan over it, and ALiBi slopes or none."""
+    """A layout of any kind (one level of a cascade), a plan over it, and the float sections: ALiBi slopes and
+    RoPE frequencies, or none."""
     case = draw(layout_cases())
     levels = getattr(case.layout, "levels", (case.layout,))
     layout = levels[draw(st.integers(0, len(levels) - 1))]
     options = draw(plan_kwargs(max_ctas=6, max_tile_q=4, max_split=12))
     work_plan = scheduler.plan(layout.qo_lens, layout.kv_lens, **options)
-    slopes = draw(st.one_of(st.none(), st.lists(st.floats(-2, 2, width=32), min_size=HQ, max_size=HQ)))
-    return layout, work_plan, slopes
+    def floats(n):
+        return st.one_of(st.none(), st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n))
+
+    return layout, work_plan, dict(alibi_slopes=draw(floats(HQ)), rope_freqs=draw(floats(HEAD_DIM // 2)))
 
 
 def _capacity(*planned):
@@ -113,9 +117,9 @@ def test_packed_sections_equal_a_plain_construction(implementation):
             second = (second[0], scheduler.plan(second[0].qo_lens, second[0].kv_lens, num_ctas=first[1].num_ctas),
                       second[2])
         buffers = PlanBuffers(_capacity(first, second), HQ, HKV, HEAD_DIM, DEVICE)
-        for layout, work_plan, slopes in (first, second):
-            buffers.fill(work_plan, layout, slopes)
-            assert_packed(buffers, work_plan, layout, slopes)
+        for layout, work_plan, float_sections in (first, second):
+            buffers.fill(work_plan, layout, **float_sections)
+            assert_packed(buffers, work_plan, layout, **float_sections)
 
     check()
 

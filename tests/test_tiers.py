@@ -248,6 +248,26 @@ def test_attention_sinks_join_the_denominator_once(backend, how):
         assert how == "empty row" or any(p.num_merges for p in attn.work_plans), "the plan must split rows"
 
 
+ROPE = {"rope": ba.Variant(causal=True, rope_theta=500.0),
+        "rope, scaled, with ALiBi and a soft cap": ba.Variant(causal=True, rope_theta=1e4, rope_scale=4.0,
+                                                              alibi_slopes=(0.5, 0.25, 0.125, 0.0625),
+                                                              logits_soft_cap=5.0)}
+
+
+@pytest.mark.parametrize("rows", ["decode and append", "prefill"])
+@pytest.mark.parametrize("name", sorted(ROPE))
+def test_fused_rope(backend, name, rows):
+    """Fused RoPE turns ``q`` and ``k`` at their logical positions before the scores (``Variant`` step 0), the
+    same through a one-shot call and through a split plan whose chunks start at other positions."""
+    raw = dict(qo_lens=[12, 9, 11]) if rows == "prefill" else {}
+    problem = paged_problem(ROPE[name], **raw)
+    for dtype in backend.dtypes:
+        check_attention(attention_call(backend, problem, dtype), problem, dtype, name=f"{backend.name} {name}")
+        run, attn = batch_call(backend, problem, dtype, dict(num_ctas=3, fixed_split_size=5))
+        check_attention(run, problem, dtype, name=f"{backend.name} {name} split plan")
+        assert attn.work_plans[0].num_merges > 0, "the plan must split rows"
+
+
 def test_batch_attention_cascade(backend):
     problem = EDGE_CASES["shared prefix, empty suffix"]
     for options in (dict(num_ctas=4), dict(num_ctas=2, fixed_split_size=3)):

@@ -130,10 +130,25 @@ def test_ragged_prefill(gpu_backend, dtype):
     ba.Variant(sm_scale=0.3),
     ba.Variant(sinks=[0.5 * h - 4.0 for h in range(HQ)]),
     ba.Variant(causal=True, window_left=128, sinks=[1.5 - 0.25 * h for h in range(HQ)]),
-], ids=["soft_cap", "window", "alibi", "sigmoid", "sm_scale", "sinks", "window_sinks"])
+    ba.Variant(rope_theta=1e4),
+    ba.Variant(rope_theta=5e5, rope_scale=8.0, logits_soft_cap=30.0),
+], ids=["soft_cap", "window", "alibi", "sigmoid", "sm_scale", "sinks", "window_sinks", "rope", "rope_scaled"])
 def test_variants(gpu_backend, variant):
     layout, q, k, v = _paged_decode(seed=3)
     _compare(gpu_backend, layout, q, k, v, "float16", variant=variant)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rope_prefill_at_long_positions(gpu_backend, dtype):
+    """Fused RoPE in a causal prefill appended to long rows (angles of thousands of radians), split."""
+    rng = _rng(7)
+    qo_lens = np.array([200, 64, 129])
+    kv_lens = qo_lens + np.array([7000, 3000, 0])
+    tables, num_pages = _pages(rng, kv_lens)
+    layout = ba.layouts.paged(qo_lens, tables, kv_lens, PAGE, num_pages)
+    k, v = _kv(rng, num_pages, PAGE)
+    _compare(gpu_backend, layout, rng.standard_normal((int(qo_lens.sum()), HQ, D)), k, v, dtype,
+             variant=ba.Variant(causal=True, rope_theta=1e4))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

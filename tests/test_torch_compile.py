@@ -38,6 +38,9 @@ CONFIGS = {
                                                        dict(causal=True, redo=True)),
     "prefill bf16, d256, causal, ALiBi": ("bfloat16", "bfloat16", 256, 4, 32, "NHD", 16,
                                           dict(causal=True, alibi=True)),
+    "decode fp16 + fp8-e4m3 KV, fused RoPE, G4": ("float16", "float8_e4m3fn", 128, 4, 4, "NHD", 16, dict(rope=True)),
+    "prefill bf16, causal, fused RoPE, d64": ("bfloat16", "bfloat16", 64, 4, 32, "NHD3", 1,
+                                              dict(causal=True, rope=True)),
 }
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 WORKERS = 2
@@ -58,8 +61,8 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
         block_n=t.block_n, block_d=cfg.block_d(head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
         kv_view=view, causal=flags.get("causal", False), window_left=flags.get("window_left", -1),
         soft_cap=flags.get("soft_cap", False), alibi=flags.get("alibi", False), sigmoid=flags.get("sigmoid", False),
-        custom_mask=flags.get("custom_mask", False), store_lse=flags.get("store_lse", not flags.get("sigmoid")),
-        dense_rows=flags.get("dense_rows", True))
+        rope=flags.get("rope", False), custom_mask=flags.get("custom_mask", False),
+        store_lse=flags.get("store_lse", not flags.get("sigmoid")), dense_rows=flags.get("dense_rows", True))
     kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
                 "NHD3": (blocks, hkv, head_dim)}[view]
     q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))

@@ -115,7 +115,8 @@ def test_quest_and_cascade():
 
 # ---- CUDA graphs --------------------------------------------------------------------------------------
 
-def test_cuda_graph_replays_across_replans():
+@pytest.mark.parametrize("variant", [ba.Variant(), ba.Variant(rope_theta=5e5)], ids=["plain", "fused RoPE"])
+def test_cuda_graph_replays_across_replans(variant):
     rng = np.random.default_rng(5)
     batch, max_len = 16, 4096
     num_pages = batch * max_len // PAGE
@@ -129,7 +130,7 @@ def test_cuda_graph_replays_across_replans():
     out = torch.empty_like(q)
     lse = torch.empty(batch, HQ, device="cuda")
     attn = ba.BatchAttention(backend="torch")
-    attn.plan(layout([max_len] * batch), HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+    attn.plan(layout([max_len] * batch), HQ, HKV, D, variant=variant, q_dtype="float16", kv_dtype="float16")
     buffers = attn._runners[0].buffers
     attn.run(q, k, v, out=out, lse=lse)  # compiles the kernel outside the capture
     torch.cuda.synchronize()
@@ -139,7 +140,7 @@ def test_cuda_graph_replays_across_replans():
     assert buffers.captured, "a launch inside the capture flags its buffers, for the re-plan's check"
     for step in range(4):
         lens = rng.integers(1, max_len + 1, size=batch)
-        attn.plan(layout(lens), HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+        attn.plan(layout(lens), HQ, HKV, D, variant=variant, q_dtype="float16", kv_dtype="float16")
         assert attn._runners[0].buffers is buffers, "the re-plan must refill the captured buffers in place"
         q.copy_(torch.randn_like(q))
         out.fill_(float("nan"))
@@ -147,7 +148,8 @@ def test_cuda_graph_replays_across_replans():
         torch.cuda.synchronize()
         eager_o, eager_lse = attn.run(q, k, v, return_lse=True)
         assert torch.equal(out, eager_o) and torch.equal(lse, eager_lse), f"step {step}: replay != eager"
-        assert_matches_reference((out, lse), q, k, v, layout(lens), "float16", name=f"replay step {step}")
+        assert_matches_reference((out, lse), q, k, v, layout(lens), "float16", variant=variant,
+                                 name=f"replay step {step}")
 
 
 # ---- torch.compile ------------------------------------------------------------------------------------

@@ -130,6 +130,7 @@ VARIANTS = {
     "soft cap": ba.Variant(logits_soft_cap=2.0, sm_scale=0.9),
     "alibi": ba.Variant(causal=True, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)),
     "sigmoid": ba.Variant(sigmoid_bias=-0.5, causal=True),
+    "fused RoPE, window": ba.Variant(causal=True, window_left=9, rope_theta=100.0, rope_scale=1.5),
     "all at once": ba.Variant(causal=True, window_left=20, logits_soft_cap=3.0, alibi_slopes=(0.3, 0.2, 0.1, 0.05)),
 }
 
@@ -219,7 +220,7 @@ def test_plan_options_pick_decode_and_prefill_tiles():
         assert tcfg.block_m(opts["tile_q"], spec.group_size) == rows == opts["tile_q"] * spec.group_size
         assert opts["num_ctas"] * spec.num_kv_heads <= tcfg.num_sms() * max(tcfg.CTAS_PER_SM.values())
     config = tcfg.LaunchConfig(4, 8, 4, 128, 16, 16, 64, 128, 4, 3, "HND", True, 7, False, True, False, True, True,
-                               False)
+                               True, False)
     assert tcfg.LaunchConfig.from_list(config.to_list()) == config
 
 

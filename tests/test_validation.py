@@ -128,10 +128,26 @@ CASES = {
     "alibi_slopes for the wrong head count": (
         lambda: attention(*arrays(), variant=ba.Variant(alibi_slopes=[0.5, 0.25, 0.125])), ValueError,
         r"alibi_slopes has 3 entries, num_qo_heads is 4"),
+    "rope_theta not positive": (lambda: ba.Variant(rope_theta=0.0), ValueError,
+                                r"rope_theta must be a positive finite float, got 0\.0"),
+    "rope_theta infinite": (lambda: ba.Variant(rope_theta=float("inf")), ValueError,
+                            r"rope_theta must be a positive finite float, got inf"),
+    "rope_scale not positive": (lambda: ba.Variant(rope_theta=1e4, rope_scale=-2.0), ValueError,
+                                r"rope_scale must be a positive finite float, got -2\.0"),
+    "rope_scale without rope_theta": (lambda: ba.Variant(rope_scale=2.0), ValueError,
+                                      r"rope_scale=2\.0 without rope_theta"),
+    "RoPE on an odd head_dim": (
+        lambda: ba.BatchAttention(backend="reference").plan(ba.layouts.ragged([1], [4]), 2, 1, 7,
+                                                            variant=ba.Variant(rope_theta=1e4)), ValueError,
+        r"head_dim must be even, got 7"),
+    "Cascade with RoPE": (
+        lambda: attention(*arrays(), layout=ba.layouts.shared_prefix([2, 1], [0], 4, [[1], [2]], [2, 1], 4, 3),
+                          variant=ba.Variant(rope_theta=1e4)), ValueError,
+        r"Cascade does not support alibi_slopes, window_left or rope_theta"),
     "Cascade with ALiBi": (
         lambda: attention(*arrays(), layout=ba.layouts.shared_prefix([2, 1], [0], 4, [[1], [2]], [2, 1], 4, 3),
                           variant=ba.Variant(alibi_slopes=[1.0] * 4)), ValueError,
-        r"Cascade does not support alibi_slopes or window_left"),
+        r"Cascade does not support alibi_slopes, window_left or rope_theta"),
     # ---- shapes -----------------------------------------------------------------------------------------
     "q not 3-D": (lambda: attention(arrays()[0][0], *arrays()[1:]), ValueError,
                   r"q must be \[nnz_qo, num_qo_heads, head_dim\], got shape \(4, 8\)"),

@@ -73,6 +73,7 @@ class Config:
     soft_cap: bool
     alibi: bool
     sigmoid: bool
+    rope: bool              # fused RoPE: q and each K tile turned at their positions
     custom_mask: bool
     word_size: int          # bytes per copied word
     num_threads: int
@@ -124,12 +125,15 @@ class Config:
         return -(-self.tile_kv * self.row_words // self.num_threads)
 
 
-def shared_bytes(head_dim, group, tile_rows, tile_kv, row_bytes, word_size, compute_size) -> int:
+def shared_bytes(head_dim, group, tile_rows, tile_kv, row_bytes, word_size, compute_size, rope=False) -> int:
     """Static shared memory of one block: K and V tiles, queries, scores and probabilities, running state,
-    tile rows, and the visible (query, key) pairs of a tile (one byte each)."""
+    tile rows, the visible (query, key) pairs of a tile (one byte each), and with fused RoPE the turned K tile
+    in the compute precision."""
     nq = tile_rows * group
     kv = 2 * tile_kv * (row_bytes + word_size)
-    return kv + compute_size * (nq * head_dim + 2 * nq * tile_kv + 5 * nq) + 8 * tile_kv + nq * tile_kv
+    turned = tile_kv * head_dim if rope else 0
+    return (kv + compute_size * (nq * head_dim + 2 * nq * tile_kv + 5 * nq + turned) + 8 * tile_kv
+            + nq * tile_kv)
 
 
 def query_tile_rows(group: int) -> int:
@@ -144,10 +148,10 @@ def query_tile_rows(group: int) -> int:
     return max(1, MAX_QUERIES // group)
 
 
-def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size, item_rows):
+def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size, item_rows, rope=False):
     """``(tile_rows, tile_kv)``: :func:`query_tile_rows`, or fewer when no work item has more query rows
-    (decode: 1), and the largest power-of-two KV tile up to ``TILE_KV`` whose shared memory fits
-    ``SHARED_MEMORY_LIMIT``.
+    (decode: 1), and the largest power-of-two KV tile up to ``TILE_KV`` whose shared memory (with the turned K
+    tile of fused RoPE when ``rope``) fits ``SHARED_MEMORY_LIMIT``.
 
     Examples
     --------
@@ -159,7 +163,7 @@ def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size, item_row
     tile_rows = max(1, min(query_tile_rows(group), item_rows))
     tile_kv = TILE_KV
     while shared_bytes(head_dim, group, tile_rows, tile_kv, head_dim * kv_itemsize, word_size,
-                       compute_size) > SHARED_MEMORY_LIMIT:
+                       compute_size, rope) > SHARED_MEMORY_LIMIT:
         if tile_kv == 1:
             raise ValueError(f"head_dim={head_dim} with {group} query heads per KV head does not fit the numba "
                              f"tier's {SHARED_MEMORY_LIMIT} bytes of shared memory per block")

@@ -6,6 +6,7 @@ batch: ``(work_plan.num_ctas, num_kv_heads)`` blocks. Block ``(c, h)`` walks CTA
 each sub-tile of its query rows, it loops over the item's KV range one ``tile_kv`` tile at a time::
 
     load_rows      next tile's K and V rows -> registers (in flight from here)   gather.py
+    turn_keys      fused RoPE only: the K tile turned at its positions           microkernel.py
     scores         q . k, scale, soft cap, ALiBi, masks                          microkernel.py
     probabilities  p = exp(s - m_new), alpha = exp(m - m_new) (or sigmoid)      microkernel.py
     accumulate     acc = alpha acc + P V, l = alpha l + sum p                    microkernel.py
@@ -59,20 +60,23 @@ BLOCK_START, FIRST_SLOT, MASK_START = ITEM["block_start"], ITEM["first_slot"], I
 def persistent_kernel(cfg: Config):
     """The compiled-on-first-launch attention kernel for ``cfg``."""
     resolve_rows, load_rows, store_rows = make_gather(cfg)
-    load_queries, scores, probabilities, accumulate, flag_rows, finish = make_microkernel(cfg)
+    load_queries, turn_keys, scores, probabilities, accumulate, flag_rows, finish = make_microkernel(cfg)
     compute, word, element = cfg.compute, cfg.word, cfg.element
     head_dim, group, tile_kv, tile_rows, max_nq = cfg.head_dim, cfg.group, cfg.tile_kv, cfg.tile_rows, cfg.max_nq
     row_stride, acc_per_thread, words_per_thread = cfg.row_stride, cfg.acc_per_thread, cfg.words_per_thread
     seen_shape = (max_nq, tile_kv) if cfg.hidden_keys else (1, 1)
+    rope = cfg.rope
+    turned_shape = (tile_kv, head_dim) if rope else (1, 1)
 
     def persistent(q, k_words, v_words, out, lse, part_o, part_lse, cta_indptr, items, kv_indices, mask,
-                   block_size, num_kv_heads, score_scale, v_scale, window_left, cap, alibi_slopes, sigmoid_bias):
+                   block_size, num_kv_heads, score_scale, v_scale, window_left, cap, alibi_slopes, rope_freq,
+                   sigmoid_bias):
         """One block per (CTA, KV head), walking the CTA's work items.
 
         q [nnz_qo, Hq, D]; k_words, v_words [rows, row_words] (storage rows, see gather.rows_view);
         out [nnz_qo, Hq, D]; lse [nnz_qo, Hq]; part_o [P, Hq, D]; part_lse [P, Hq]; cta_indptr [num_ctas+1];
         items [W, ITEM_STRIDE] (bsrattn.items); kv_indices [nnz]; mask [sum qo_len*kv_len] (custom mask);
-        alibi_slopes [Hq].
+        alibi_slopes [Hq]; rope_freq [D/2] (fused RoPE).
         """
         cta, kv_head, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         # Shared memory, one allocation per purpose (the simulator pays for each allocation site).
@@ -82,6 +86,7 @@ def persistent_kernel(cfg: Config):
         state = cuda.shared.array((5, max_nq), compute)                # per query: m, m_new, l, alpha, bad
         kv_rows_s = cuda.shared.array(tile_kv, np.int64)
         seen = cuda.shared.array(seen_shape, np.uint8)                 # visible (query, key) pairs of a tile
+        k_turned = cuda.shared.array(turned_shape, compute)            # fused RoPE: the K tile, turned
         k_tile, v_tile = kv_tiles[0], kv_tiles[1]
         s_tile, p_tile = weights[0], weights[1]
         m_run, m_next, l_run, alpha, bad = state[0], state[1], state[2], state[3], state[4]
@@ -98,7 +103,8 @@ def persistent_kernel(cfg: Config):
             block_start, first_slot, mask_start = items[w, BLOCK_START], items[w, FIRST_SLOT], items[w, MASK_START]
             for q_row0 in range(item_q0, item_q1, tile_rows):
                 nq = min(tile_rows, item_q1 - q_row0) * group
-                load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head)
+                load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head, row_q_start, qo_len, kv_len,
+                             rope_freq)
                 resolve_rows(t, kv_rows_s, kv_indices, block_start, first_slot, block_size, num_kv_heads,
                              kv_head, kv_start, kv_end)
                 cuda.syncthreads()
@@ -111,8 +117,11 @@ def persistent_kernel(cfg: Config):
                 for kv0 in range(kv_start, kv_end, tile_kv):
                     # Issue the next tile's loads now; they travel while this tile is computed.
                     load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows_s)
-                    scores(t, s_tile, seen, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len,
-                           kv_head, score_scale, window_left, cap, alibi_slopes, mask_start, mask)
+                    if rope:
+                        turn_keys(t, k_turned, k_el, kv0, kv_end, rope_freq)
+                        cuda.syncthreads()
+                    scores(t, s_tile, seen, q_tile, k_el, k_turned, nq, kv0, kv_end, q_row0, row_q_start, qo_len,
+                           kv_len, kv_head, score_scale, window_left, cap, alibi_slopes, mask_start, mask)
                     cuda.syncthreads()
                     probabilities(t, s_tile, p_tile, m_run, m_next, alpha, nq, sigmoid_bias)
                     cuda.syncthreads()

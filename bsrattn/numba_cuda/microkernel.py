@@ -44,19 +44,31 @@ def make_microkernel(cfg):
     """The microkernel's device functions for one kernel configuration (see ``config.Config``)."""
     compute, threads, tile_kv, head_dim, group = cfg.compute, cfg.num_threads, cfg.tile_kv, cfg.head_dim, cfg.group
     acc_per_thread = cfg.acc_per_thread
-    causal, soft_cap, alibi, sigmoid, custom_mask = (cfg.causal, cfg.soft_cap, cfg.alibi, cfg.sigmoid,
-                                                     cfg.custom_mask)
+    causal, soft_cap, alibi, sigmoid, rope, custom_mask = (cfg.causal, cfg.soft_cap, cfg.alibi, cfg.sigmoid,
+                                                           cfg.rope, cfg.custom_mask)
+    half = head_dim // 2
     hidden_keys = cfg.hidden_keys
     decode_q, decode_kv = decoder(cfg.q_format, compute), decoder(cfg.kv_format, compute)
     encode_out = encoder(cfg.q_format)
     neg_inf, zero, one, nan = compute(-math.inf), compute(0.0), compute(1.0), compute(math.nan)
 
     @device
-    def load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head):
-        """``q_tile [max_nq, D]`` (shared) <- the block's queries, decoded; reset the running state."""
-        for e in range(t, nq * head_dim, threads):
-            i, d = e // head_dim, e % head_dim
-            q_tile[i, d] = decode_q(q[q_row0 + tile_query(i, group), tile_head(kv_head, group, i), d])
+    def load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head, row_q_start, qo_len, kv_len,
+                     rope_freq):
+        """``q_tile [max_nq, D]`` (shared) <- the block's queries, decoded (with fused RoPE, turned at their
+        positions: one thread per dimension pair); reset the running state."""
+        if rope:
+            for e in range(t, nq * half, threads):
+                i, d = e // half, e % half
+                row, head = q_row0 + tile_query(i, group), tile_head(kv_head, group, i)
+                angle = compute(query_position(qo_len, kv_len, row - row_q_start)) * compute(rope_freq[d])
+                lo, hi = decode_q(q[row, head, d]), decode_q(q[row, head, d + half])
+                q_tile[i, d] = lo * math.cos(angle) - hi * math.sin(angle)
+                q_tile[i, d + half] = hi * math.cos(angle) + lo * math.sin(angle)
+        else:
+            for e in range(t, nq * head_dim, threads):
+                i, d = e // head_dim, e % head_dim
+                q_tile[i, d] = decode_q(q[q_row0 + tile_query(i, group), tile_head(kv_head, group, i), d])
         for i in range(t, nq, threads):
             m_run[i] = neg_inf
             l_run[i] = zero
@@ -65,11 +77,26 @@ def make_microkernel(cfg):
             acc[n] = zero
 
     @device
-    def scores(t, s_tile, seen, q_tile, k_el, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len, kv_head,
-               score_scale, window_left, cap, alibi_slopes, mask_start, mask):
+    def turn_keys(t, k_turned, k_el, kv0, kv_end, rope_freq):
+        """Fused RoPE: ``k_turned [tile_kv, D]`` (shared, compute precision) <- the gathered K tile ``k_el``
+        turned at its slots' positions, one thread per (key, dimension pair); 0 past the range."""
+        for e in range(t, tile_kv * half, threads):
+            j, d = e // half, e % half
+            lo, hi = zero, zero
+            if kv0 + j < kv_end:
+                angle = compute(kv0 + j) * compute(rope_freq[d])
+                x, y = decode_kv(k_el[j, d]), decode_kv(k_el[j, d + half])
+                lo, hi = x * math.cos(angle) - y * math.sin(angle), y * math.cos(angle) + x * math.sin(angle)
+            k_turned[j, d] = lo
+            k_turned[j, d + half] = hi
+
+    @device
+    def scores(t, s_tile, seen, q_tile, k_el, k_turned, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len,
+               kv_head, score_scale, window_left, cap, alibi_slopes, mask_start, mask):
         """``s_tile [max_nq, tile_kv]`` (shared) <- transformed scores, ``-inf`` where masked.
 
-        ``k_el [tile_kv, >= D]`` is the gathered K tile; ``alibi_slopes [Hq]``; ``mask`` the flat custom mask.
+        ``k_el [tile_kv, >= D]`` is the gathered K tile (``k_turned [tile_kv, D]`` the same turned, read instead
+        with fused RoPE); ``alibi_slopes [Hq]``; ``mask`` the flat custom mask.
         With keys that masks hide (``Config.hidden_keys``), ``seen [max_nq, tile_kv]`` (shared) <- 1 for the
         visible pairs: a visible key's score may itself be ``-inf``, so the scores cannot tell.
         """
@@ -84,9 +111,14 @@ def make_microkernel(cfg):
             s = neg_inf
             if visible:
                 dot, d = zero, 0
-                while d < head_dim:
-                    dot += q_tile[i, d] * decode_kv(k_el[j, d])
-                    d += 1
+                if rope:
+                    while d < head_dim:
+                        dot += q_tile[i, d] * k_turned[j, d]
+                        d += 1
+                else:
+                    while d < head_dim:
+                        dot += q_tile[i, d] * decode_kv(k_el[j, d])
+                        d += 1
                 s = dot * score_scale
                 if soft_cap:
                     s = cap * math.tanh(s / cap)
@@ -194,5 +226,5 @@ def make_microkernel(cfg):
                 else:
                     part_lse[part_row0 + row - item_q0, head] = s
 
-    return load_queries, scores, probabilities, accumulate, flag_rows, finish
+    return load_queries, turn_keys, scores, probabilities, accumulate, flag_rows, finish
 

@@ -47,6 +47,7 @@ class Runner:
             work_plan.merge_indptr, work_plan.merge_partials, work_plan.merge_qo_start, work_plan.merge_qo_end))
         variant = spec.variant
         self._alibi = arrays.resident(variant.alibi_slopes if variant.alibi_slopes is not None else [], np.float64)
+        self._rope = arrays.resident(variant.rope_frequencies(spec.head_dim) if variant.use_rope else [], np.float64)
         # The workspace serves one call at a time: a second thread's launches would overwrite partial states
         # the first call's merge has not read yet (every launch goes to the default stream, in call order).
         self._workspace = previous._workspace if previous is not None else {}
@@ -66,12 +67,14 @@ class Runner:
         spec, variant = self.spec, self.spec.variant
         compute_name = compute_format(q_format, kv_format)
         tile_rows, tile_kv = choose_tiles(spec.head_dim, spec.group_size, numpy_dtype(kv_format).itemsize,
-                                          word_size, np.dtype(compute_name).itemsize, self.item_rows)
+                                          word_size, np.dtype(compute_name).itemsize, self.item_rows,
+                                          variant.use_rope)
         return Config(head_dim=spec.head_dim, group=spec.group_size, q_format=q_format, kv_format=kv_format,
                       compute_name=compute_name, kv_hnd=kv_view == "HND", causal=variant.causal,
                       window=variant.window_left >= 0, soft_cap=variant.logits_soft_cap > 0,
                       alibi=variant.alibi_slopes is not None,
-                      sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None,
+                      sigmoid=variant.use_sigmoid, rope=variant.use_rope,
+                      custom_mask=spec.layout.custom_mask is not None,
                       word_size=word_size, num_threads=config.NUM_THREADS, tile_kv=tile_kv, tile_rows=tile_rows,
                       min_blocks=config.MIN_BLOCKS_PER_SM)
 
@@ -104,7 +107,7 @@ class Runner:
                 out_dev, lse_dev, part_o, part_lse, *self._plan_args,
                 spec.layout.block_size, spec.num_kv_heads, compute(spec.sm_scale * (k_scale or 1.0)),
                 compute(v_scale or 1.0), variant.window_left, compute(variant.logits_soft_cap or 1.0), self._alibi,
-                compute(variant.sigmoid_bias or 0.0))
+                self._rope, compute(variant.sigmoid_bias or 0.0))
         if work_plan.num_merges:
             merge = plan_merge_kernel(cfg.compute_name, cfg.q_format, spec.head_dim, cfg.sigmoid,
                                       config.MERGE_THREADS)

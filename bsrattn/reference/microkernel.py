@@ -2,7 +2,7 @@
 
 For query ``i`` (head ``h``, KV head ``h // G``) and visible keys ``j`` (see :mod:`bsrattn.variant`):
 
-    s_ij = transform(sm_scale * q_i . k_j)
+    s_ij = transform(sm_scale * rope(q_i) . rope(k_j))        (rope: the identity unless fused RoPE is on)
     lse_i = log(sum_j exp(s_ij))                       (natural log)
     o_i   = sum_j exp(s_ij - lse_i) v_j
 
@@ -48,11 +48,25 @@ def per_kv_head(x, num_kv_heads):
     return x.reshape(num_kv_heads, x.shape[0] // num_kv_heads * x.shape[1], x.shape[2])
 
 
+def rope(x, pos, freqs):
+    """``x [n, H, D]`` rotated at positions ``pos [n]`` (fused RoPE, :mod:`bsrattn.variant` step 0), in ``x``'s
+    dtype: dimensions ``i`` and ``i + D/2`` turn by ``pos * freqs[i]``."""
+    angle = pos.astype(x.dtype)[:, None] * freqs.astype(x.dtype)[None, :]          # [n, D/2]
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    lo, hi = x[..., :freqs.size], x[..., freqs.size:]
+    return np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
+
+
 def scores(q, k, q_pos, k_pos, variant, sm_scale, dtype=np.float64):
-    """``[Hq, n, m]`` transformed scores (soft cap, ALiBi) before masking, of ``q [n, Hq, D]`` and ``k [m, Hkv, D]``."""
-    (n, num_qo_heads, _), (m, num_kv_heads, _) = q.shape, k.shape
-    q = per_kv_head(q.astype(dtype).transpose(1, 0, 2), num_kv_heads)          # [Hkv, G*n, D]
-    s = np.matmul(q, k.astype(dtype).transpose(1, 2, 0)).reshape(num_qo_heads, n, m)
+    """``[Hq, n, m]`` transformed scores (fused RoPE, soft cap, ALiBi) before masking, of ``q [n, Hq, D]`` and
+    ``k [m, Hkv, D]``."""
+    (n, num_qo_heads, head_dim), (m, num_kv_heads, _) = q.shape, k.shape
+    q, k = q.astype(dtype), k.astype(dtype)
+    if variant.use_rope:
+        freqs = variant.rope_frequencies(head_dim)
+        q, k = rope(q, q_pos, freqs), rope(k, k_pos, freqs)
+    q = per_kv_head(q.transpose(1, 0, 2), num_kv_heads)                             # [Hkv, G*n, D]
+    s = np.matmul(q, k.transpose(1, 2, 0)).reshape(num_qo_heads, n, m)
     s *= dtype(sm_scale)
     if variant.logits_soft_cap > 0:
         cap = dtype(variant.logits_soft_cap)

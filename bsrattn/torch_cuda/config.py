@@ -167,6 +167,7 @@ class LaunchConfig:
     soft_cap: bool
     alibi: bool
     sigmoid: bool
+    rope: bool
     custom_mask: bool
     store_lse: bool
     dense_rows: bool

@@ -9,7 +9,9 @@ num_kv_heads)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for KV
    M sub-tiles.
 2. **Block skipping.** Causal masking ends the KV loop after the tile's last query position, a sliding
    window starts it at the first query position minus ``window_left``; tiles outside are never loaded.
-3. The microkernel (:func:`~bsrattn.torch_cuda.microkernel.attend_range`) over the item's KV range.
+3. The microkernel (:func:`~bsrattn.torch_cuda.microkernel.attend_range`) over the item's KV range. With fused
+   RoPE the tile's queries are loaded in two halves (dims ``[0, D/2)`` and ``[D/2, D)``) and turned at their
+   positions once per tile (:func:`~bsrattn.torch_cuda.microkernel.rope_turn`), and so is every K tile.
 4. An unsplit item writes the output and LSE. A split item writes its partial state to its fixed
    workspace rows, then bumps its tile's integer counter (acquire-release, GPU scope); the program whose
    bump completes the count is the last to finish, and it folds the tile's partial states **in the plan's
@@ -82,14 +84,14 @@ def persistent_attention(
         # ... then what the plan's buffers and the configuration fix (plan_args).
         part_o, part_lse, sync,  # [partial_rows, Hq, D] f32; [partial_rows, Hq] f32; [3*M + W, Hkv] i32
         cta_indptr, items, merge_partials,  # [num_ctas+1]; [W, ITEM_STRIDE]; [P]
-        kv_indices, mask_ptr, alibi_ptr,  # [nnz] i32; [mask elements] u8; [Hq] f32
+        kv_indices, mask_ptr, alibi_ptr, rope_ptr,  # [nnz] i32; [mask elements] u8; [Hq] f32; [D/2] f32
         stride_pn, stride_ph, stride_pln, stride_plh,
         window_left, num_kv_heads, merge_rows,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-        ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr, STORE_LSE: tl.constexpr,
-        DENSE_ROWS: tl.constexpr, PRECISION: tl.constexpr, REDO: tl.constexpr):
+        ALIBI: tl.constexpr, SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr,
+        STORE_LSE: tl.constexpr, DENSE_ROWS: tl.constexpr, PRECISION: tl.constexpr, REDO: tl.constexpr):
     # sync, in blocks of merge_rows rows (the buffers' merge capacity): the first counts a merge's partial
     # states as they land, the second the same in the second launch, the third flags the merges whose output
     # came out non-finite; then one row per item flags such items.
@@ -101,6 +103,10 @@ def persistent_attention(
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     d = tl.arange(0, BLOCK_D)
+    half = tl.arange(0, BLOCK_H)  # fused RoPE: q and k in halves, dims [0, D/2) and [D/2, D)
+    rope_freq = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if ROPE:
+        rope_freq = tl.load(rope_ptr + half, mask=half < HEAD_DIM // 2, other=0.0)
     for w in range(tl.load(cta_indptr + cta), tl.load(cta_indptr + cta + 1)):
         item = items + w * _STRIDE
         qo_start = tl.load(item + _QO_START)
@@ -139,19 +145,28 @@ def persistent_attention(
             if HAS_WINDOW:
                 first_local = qo_start - qo_first + tile_query(m0, GROUP)
                 lo = tl.maximum(lo, query_position(qo_len, kv_len, first_local) - window_left)
-            q_rows = (qo_start + rel).to(tl.int64)
-            q = tl.load(q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :] * stride_qd,
-                        mask=valid_m[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+            q_row_ptr = q_ptr + (qo_start + rel).to(tl.int64)[:, None] * stride_qn + head[:, None] * stride_qh
+            if ROPE:
+                q_half = q_row_ptr + half[None, :] * stride_qd
+                in_half = valid_m[:, None] & (half[None, :] < HEAD_DIM // 2)
+                q, q2 = microkernel.rope_turn(tl.load(q_half, mask=in_half, other=0.0),
+                                              tl.load(q_half + HEAD_DIM // 2 * stride_qd, mask=in_half, other=0.0),
+                                              q_pos, rope_freq, q_ptr.dtype.element_ty)
+            else:
+                q = tl.load(q_row_ptr + d[None, :] * stride_qd, mask=valid_m[:, None] & (d[None, :] < HEAD_DIM),
+                            other=0.0)
+                q2 = q
             slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
             if ALIBI:
                 slopes = tl.load(alibi_ptr + head, mask=valid_m, other=0.0)
             o, lse = microkernel.attend_range(
-                q, q_pos, q_local, valid_m, slopes, k_head, v_head, kv_indices, row_block_start, first_slot,
-                lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE,
-                DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
-                SIGMOID=SIGMOID, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION, DROP_HIDDEN=REDO)
+                q, q2, q_pos, q_local, valid_m, slopes, rope_freq, k_head, v_head, kv_indices, row_block_start,
+                first_slot, lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb,
+                stride_vs, stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H,
+                BLOCK_SIZE=BLOCK_SIZE, DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP,
+                ALIBI=ALIBI, SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
+                DROP_HIDDEN=REDO)
             if HIDDEN_KEYS and not REDO:
                 if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:  # a non-finite row: the second launch redoes the item
                     tl.store(item_flags + w * num_kv_heads + kv_head, 1)
@@ -206,7 +221,8 @@ def plan_args(buffers, config) -> tuple:
     ``config`` fix: the same for every call over them, and for every plan they are refilled with."""
     sec = buffers.section
     return (buffers.part_o, buffers.part_lse, buffers.sync, sec("cta_indptr"), sec("items"), sec("merge_partials"),
-            sec("kv_indices"), buffers.mask, buffers.alibi, *buffers.part_o.stride()[:2], *buffers.part_lse.stride(),
+            sec("kv_indices"), buffers.mask, buffers.alibi, buffers.rope, *buffers.part_o.stride()[:2],
+            *buffers.part_lse.stride(),
             config.window_left, config.num_kv_heads, buffers.merge_rows)
 
 
@@ -214,8 +230,9 @@ def constexprs(config, q_dtype, redo: bool = False) -> dict:
     """The compile-time arguments of :func:`persistent_attention` for ``config`` and a ``q`` of ``q_dtype``."""
     return dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=config.block_size,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
-                CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap,
-                ALIBI=config.alibi, SIGMOID=config.sigmoid, CUSTOM_MASK=config.custom_mask,
+                BLOCK_H=max(16, config.block_d // 2), CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0,
+                SOFT_CAP=config.soft_cap, ALIBI=config.alibi, SIGMOID=config.sigmoid, ROPE=config.rope,
+                CUSTOM_MASK=config.custom_mask,
                 STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32", REDO=redo)
 

@@ -1,6 +1,6 @@
 """The dense microkernel, as Triton device functions: FlashAttention's online softmax over gathered KV tiles.
 
-Must match :mod:`bsrattn.reference.microkernel` (``scores``, ``attend``, ``attend_range``). What differs:
+Must match :mod:`bsrattn.reference.microkernel` (``rope``, ``scores``, ``attend``, ``attend_range``). What differs:
 
 - Tiling: ``q`` is a ``[BLOCK_M, BLOCK_D]`` tile whose rows are (query row, head of the GQA group) pairs, so
   one K/V tile serves the whole group; keys arrive ``BLOCK_N`` at a time and the softmax is online
@@ -37,13 +37,31 @@ def tanh(x):
 
 
 @triton.jit
-def scores(q, k, q_pos, k_pos, slopes, qk_scale, soft_cap,  # q [BLOCK_M, D]; k [BLOCK_N, D]; slopes [BLOCK_M]
-           SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+def rope_turn(lo, hi, pos, freq, dtype: tl.constexpr):  # lo, hi [R, BLOCK_H]; pos [R]; freq [BLOCK_H] f32
+    """Fused RoPE (reference ``rope``): rows at positions ``pos``, given as their halves ``lo`` (dims ``[0, D/2)``)
+    and ``hi`` (``[D/2, D)``), each pair turned by ``pos * freq``, in float32; the halves back in ``dtype``.
+
+    ``tl.cos``/``tl.sin`` compile to libdevice's ``cosf``/``sinf`` (no ``.approx`` instruction), whose range
+    reduction holds for the thousands of radians a long row's angles reach.
+    """
+    angle = pos.to(tl.float32)[:, None] * freq[None, :]
+    c, s = tl.cos(angle), tl.sin(angle)
+    lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+    return (lo * c - hi * s).to(dtype), (hi * c + lo * s).to(dtype)
+
+
+@triton.jit
+def scores(q, k, q2, k2, q_pos, k_pos, slopes, qk_scale, soft_cap,  # q [BLOCK_M, D]; k [BLOCK_N, D]; slopes [M]
+           SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` transformed scores times ``log2(e)`` (reference ``scores``, base 2).
 
-    ``s = qk_scale * q.k``; soft cap ``cap * tanh(s / cap)``; ALiBi ``+ slope * (k_pos - q_pos)``.
+    ``s = qk_scale * q.k``; soft cap ``cap * tanh(s / cap)``; ALiBi ``+ slope * (k_pos - q_pos)``. With ``ROPE``,
+    ``q``/``k`` are the turned first halves and ``q2``/``k2`` the second (:func:`rope_turn`), and ``q.k`` is the
+    sum of the two halves' products.
     """
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if ROPE:
+        s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
     if SOFT_CAP or ALIBI:
         s = s * qk_scale
         if SOFT_CAP:
@@ -132,27 +150,36 @@ def finish(acc, m_i, l_i, bad, v_scale, SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, slopes,
+def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq,
                 k_head, v_head, row_first_slot, kv_end, kv_len, mask_ptr, mask_start,
                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                 qk_scale, soft_cap, window_left, sigmoid_bias,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                DENSE_ROWS: tl.constexpr, MASKED: tl.constexpr, DROP_HIDDEN: tl.constexpr, CAUSAL: tl.constexpr,
-                HAS_WINDOW: tl.constexpr,
-                SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr,
-                PRECISION: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, MASKED: tl.constexpr, DROP_HIDDEN: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
+                SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PRECISION: tl.constexpr):
     """The running state after the KV tile of slots ``start:start+BLOCK_N`` (``blocks``: its block ids, sparse path).
 
     An unmasked tile (``MASKED`` false) is one the caller knows to lie inside the range and to be visible
     whole to every query of the tile: no bounds, no position or custom mask are evaluated for it. A masked
-    tile with ``DROP_HIDDEN`` drops the hidden keys' non-finite values (:func:`drop_hidden`).
+    tile with ``DROP_HIDDEN`` drops the hidden keys' non-finite values (:func:`drop_hidden`). With ``ROPE`` the
+    K tile is loaded in halves and turned at its slots' positions (``q``, ``q2``: the turned query halves).
     """
     d = tl.arange(0, BLOCK_D)
     k_pos = start + tl.arange(0, BLOCK_N)
     valid_n = k_pos < kv_end
     k_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_kb, stride_ks, BLOCK_SIZE, DENSE_ROWS)
-    k = gather.load_tile(k_head, k_off, valid_n, d, stride_kd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
-    s = scores(q, k, q_pos, k_pos, slopes, qk_scale, soft_cap, SOFT_CAP, ALIBI, PRECISION)
+    if ROPE:
+        half = tl.arange(0, BLOCK_H)
+        k, k2 = rope_turn(
+            gather.load_tile(k_head, k_off, valid_n, half, stride_kd, HEAD_DIM // 2, BLOCK_H, q.dtype, MASKED),
+            gather.load_tile(k_head + HEAD_DIM // 2 * stride_kd, k_off, valid_n, half, stride_kd, HEAD_DIM // 2,
+                             BLOCK_H, q.dtype, MASKED),
+            k_pos, rope_freq, q.dtype)
+    else:
+        k = gather.load_tile(k_head, k_off, valid_n, d, stride_kd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
+        k2 = k
+    s = scores(q, k, q2, k2, q_pos, k_pos, slopes, qk_scale, soft_cap, SOFT_CAP, ALIBI, ROPE, PRECISION)
     vis = valid_n[None, :]
     if MASKED:
         vis = visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_ptr, mask_start,
@@ -169,16 +196,19 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, s
 
 
 @triton.jit
-def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_pos, q_local, slopes [BLOCK_M]
+def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq,  # q [BLOCK_M, BLOCK_D]; q_pos... [BLOCK_M]
                  k_head, v_head, kv_indices, row_block_start, row_first_slot, kv_start, kv_end, kv_len,
                  mask_ptr, mask_start,
                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                  qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr, CUSTOM_MASK: tl.constexpr,
-                 PRECISION: tl.constexpr, DROP_HIDDEN: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr,
+                 ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PRECISION: tl.constexpr, DROP_HIDDEN: tl.constexpr):
     """State of a query tile over the row's logical KV slots ``kv_start:kv_end`` (reference ``attend_range``).
+
+    With ``ROPE``, ``q`` and ``q2`` are the tile's turned query halves ``[BLOCK_M, BLOCK_H]`` (:func:`rope_turn`)
+    and ``rope_freq [BLOCK_H]`` the frequencies; without, ``q`` is the tile and ``q2`` unused.
 
     ``DROP_HIDDEN`` drops hidden keys' non-finite values in the masked tiles (:func:`drop_hidden`): the
     executor's second launch does, for the tiles the first one found non-finite.
@@ -206,22 +236,22 @@ def attend_range(q, q_pos, q_local, valid_m, slopes,  # q [BLOCK_M, BLOCK_D]; q_
             ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end,
                                        BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
             acc, m_i, l_i, bad = attend_tile(
-                acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
-                kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=False, DROP_HIDDEN=False,
-                HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE,
+                acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, k_head, v_head,
+                row_first_slot, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb,
+                stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=False, DROP_HIDDEN=False,
+                HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
                 DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
-                SIGMOID=SIGMOID, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
+                SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
             blocks = ahead
     for start in range(mid, kv_end, BLOCK_N):
         ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end, BLOCK_N,
                                    BLOCK_SIZE, DENSE_ROWS)
         acc, m_i, l_i, bad = attend_tile(
-            acc, m_i, l_i, bad, start, blocks, q, q_pos, q_local, valid_m, slopes, k_head, v_head, row_first_slot,
-            kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-            stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=True, DROP_HIDDEN=DROP_HIDDEN,
-            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE,
+            acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, k_head, v_head,
+            row_first_slot, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb,
+            stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=True, DROP_HIDDEN=DROP_HIDDEN,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
             DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
-            SIGMOID=SIGMOID, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
+            SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
         blocks = ahead
     return finish(acc, m_i, l_i, bad, v_scale, SIGMOID)

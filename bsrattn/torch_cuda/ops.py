@@ -40,6 +40,10 @@ class _BufferView:
     def alibi(self):
         return self.section("alibi").view(torch.float32)
 
+    @property
+    def rope(self):
+        return self.section("rope").view(torch.float32)
+
 
 @torch.library.custom_op("bsrattn::attention_run", mutates_args=("out", "lse", "part_o", "part_lse", "sync"))
 def attention_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

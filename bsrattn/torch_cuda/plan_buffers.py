@@ -14,6 +14,7 @@ One int32 buffer holds every plan array, at 64-byte aligned offsets:
 | ``items`` | ``[W, ITEM_STRIDE]`` | one row of :data:`bsrattn.items.ITEM_FIELDS` per work item |
 | ``merge_partials`` | ``[P]`` | as in :class:`~bsrattn.scheduler.WorkPlan` |
 | ``alibi`` | ``[num_qo_heads]`` | the variant's ALiBi slopes (float32 bits) |
+| ``rope`` | ``[head_dim // 2]`` | fused RoPE's frequencies, ``Variant.rope_frequencies`` (float32 bits) |
 | ``kv_indices`` | ``[nnz]`` | the layout's block ids |
 
 An item row carries everything the kernel needs about its block row and its merge, so a program reads one
@@ -40,7 +41,7 @@ from bsrattn.items import ITEM_STRIDE, first_slots, mask_starts, pack_items
 from bsrattn.torch_cuda.config import next_pow2
 from bsrattn.torch_cuda.arrays import canonical_device
 
-SECTIONS = ("cta_indptr", "items", "merge_partials", "alibi", "kv_indices")
+SECTIONS = ("cta_indptr", "items", "merge_partials", "alibi", "rope", "kv_indices")
 WORKSPACE_HEADROOM_BYTES = 64 * 2**20
 """Largest partial-state workspace sized for the worst case of a batch rather than for its first plan."""
 _ALIGN = 16  # int32 elements: 64 bytes, so every section pointer keeps Triton's 16-byte alignment
@@ -92,17 +93,22 @@ class Capacity:
         arguments (the merge rows), whatever the lengths."""
         return Capacity(self.num_ctas, *(max(16, next_pow2(x)) for x in astuple(self)[1:]))
 
-    def section_sizes(self, num_qo_heads: int) -> dict:
+    def section_sizes(self, num_qo_heads: int, head_dim: int) -> dict:
         return {"cta_indptr": self.num_ctas + 1, "items": self.items * ITEM_STRIDE, "merge_partials": self.partials,
-                "alibi": num_qo_heads, "kv_indices": self.nnz}
+                "alibi": num_qo_heads, "rope": head_dim // 2, "kv_indices": self.nnz}
 
 
 # Offsets of the item-row fields, as constants of the compiled pass (as the kernel reads them).
-_NO_ALIBI = np.zeros(0, dtype=np.int32)
+_NONE = np.zeros(0, dtype=np.int32)  # an empty float section (no ALiBi, no RoPE)
+
+
+def _float_bits(values) -> np.ndarray:
+    """``values`` as the int32 bits of their float32 values (a float section), or empty for None."""
+    return _NONE if values is None else np.asarray(values, dtype=np.float32).view(np.int32)
 
 
 def _pack(out,  # [plan elements] int32: the host staging of the plan sections
-          cta_at, items_at, merge_at, alibi_at, kv_at,  # the sections' offsets in out, in SECTIONS order
+          cta_at, items_at, merge_at, alibi_at, rope_at, kv_at,  # the sections' offsets in out, in SECTIONS order
           first_slot,  # [R] int64 scratch
           cta_indptr,  # [num_ctas+1]
           item_row, item_qo_start, item_qo_end, item_kv_start, item_kv_end, item_partial,  # [W]
@@ -112,7 +118,8 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
           kv_lens,  # [R]
           mask_indptr,  # [R+1] int64
           block_size,
-          alibi_bits):  # [num_qo_heads] int32, the slopes' float32 bits ([0] without ALiBi)
+          alibi_bits,  # [num_qo_heads] int32, the slopes' float32 bits ([0] without ALiBi)
+          rope_bits):  # [head_dim // 2] int32, RoPE's frequencies' float32 bits ([0] without RoPE)
     """Write every plan section into ``out`` in one pass, with explicit loops (compiled by Numba when present).
 
     The item rows are :func:`bsrattn.items.pack_items`'s, in CTA order. A row's dense path
@@ -129,6 +136,9 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
     section = out[alibi_at:alibi_at + alibi_bits.size]
     for i in range(alibi_bits.size):
         section[i] = alibi_bits[i]
+    section = out[rope_at:rope_at + rope_bits.size]
+    for i in range(rope_bits.size):
+        section[i] = rope_bits[i]
     section = out[kv_at:kv_at + kv_indices.size]
     for i in range(kv_indices.size):
         section[i] = kv_indices[i]
@@ -165,7 +175,7 @@ class PlanBuffers:
         self.shape_key = (num_qo_heads, num_kv_heads, head_dim, device)
         self.offsets = {}
         at = 0
-        for name, size in capacity.section_sizes(num_qo_heads).items():
+        for name, size in capacity.section_sizes(num_qo_heads, head_dim).items():
             self.offsets[name] = (at, size)
             at += -(-max(size, 1) // _ALIGN) * _ALIGN
         # Flat (offset, size) pairs in SECTIONS order, then the merge rows of ``sync``: the form the attention
@@ -239,6 +249,10 @@ class PlanBuffers:
     def alibi(self) -> torch.Tensor:
         return self.section("alibi").view(torch.float32)
 
+    @property
+    def rope(self) -> torch.Tensor:
+        return self.section("rope").view(torch.float32)
+
     def used_bytes(self, layout) -> tuple:
         """``(plan, mask)``: the bytes of the plan region and of the mask region that a plan over ``layout`` uses.
 
@@ -248,8 +262,9 @@ class PlanBuffers:
         mask = 0 if layout.custom_mask is None else layout.custom_mask.size
         return 4 * (self.offsets["kv_indices"][0] + layout.kv_indices.size), mask
 
-    def fill(self, work_plan, layout, alibi_slopes=None) -> bool:
-        """Write ``work_plan``, ``layout``'s arrays and the ALiBi slopes in place; whether some row is dense.
+    def fill(self, work_plan, layout, alibi_slopes=None, rope_freqs=None) -> bool:
+        """Write ``work_plan``, ``layout``'s arrays, the ALiBi slopes and the RoPE frequencies in place; whether
+        some row is dense.
 
         One compiled pass (:func:`_pack`) writes every section into the host staging; the bytes the plan
         uses (:meth:`used_bytes`) then go to the device in one asynchronous copy (two with a custom mask).
@@ -257,14 +272,13 @@ class PlanBuffers:
         mask_indptr = mask_starts(layout)
         if self._copied is not None:
             self._copied.synchronize()  # the previous refill's copy must have left the staging buffer
-        alibi = _NO_ALIBI if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float32).view(np.int32)
         wp = work_plan
         any_dense = _packer(
             self._host_plan, *self._section_at, np.empty(layout.num_rows, dtype=np.int64), wp.cta_indptr,
             wp.item_row, wp.item_qo_start, wp.item_qo_end,
             wp.item_kv_start, wp.item_kv_end, wp.item_partial, wp.merge_indptr, wp.merge_partials,
             wp.num_partial_rows, layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_lens,
-            mask_indptr, layout.block_size, alibi)
+            mask_indptr, layout.block_size, _float_bits(alibi_slopes), _float_bits(rope_freqs))
         if layout.custom_mask is not None:
             self._host_mask[:layout.custom_mask.size] = layout.custom_mask.view(np.uint8)
         if self.staging is not self.raw:

@@ -80,7 +80,9 @@ class Runner:
                               f"the new plan's buffers, so recapture it", RuntimeWarning, stacklevel=3)
         # The kernel carries the dense load path only for a plan with affine rows (LaunchConfig.dense_rows).
         with buffers.ordered():
-            self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes)
+            self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes,
+                                           spec.variant.rope_frequencies(spec.head_dim) if spec.variant.use_rope
+                                           else None)
         self.spec = spec
         self.work_plan = work_plan
         self.device = device
@@ -104,8 +106,8 @@ class Runner:
                 block_d=cfg.block_d(spec.head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
                 kv_view=kv_view, causal=_causal_hides_keys(spec), window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
-                sigmoid=variant.use_sigmoid, custom_mask=spec.layout.custom_mask is not None, store_lse=store_lse,
-                dense_rows=self.dense_rows)
+                sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
+                store_lse=store_lse, dense_rows=self.dense_rows)
         return self._configs[key]
 
     def _launch(self, key) -> executor.Launch:
@@ -178,7 +180,7 @@ class Runner:
 
 
 _RECORDED = ("block_size", "whether a custom mask is read", "the score scale", "the causal mask", "the window",
-             "the soft cap", "whether ALiBi is on", "the sigmoid bias", "the sinks")
+             "the soft cap", "whether ALiBi is on", "the sigmoid bias", "the sinks", "whether RoPE is on")
 
 
 def _causal_hides_keys(spec) -> bool:
@@ -197,7 +199,7 @@ def _recorded(spec) -> tuple:
     variant = spec.variant
     return (spec.layout.block_size, spec.layout.custom_mask is not None, spec.sm_scale,
             _causal_hides_keys(spec), variant.window_left, variant.logits_soft_cap, variant.alibi_slopes is not None,
-            variant.sigmoid_bias, variant.sinks)
+            variant.sigmoid_bias, variant.sinks, variant.use_rope)
 
 
 def make_runner(spec, work_plan, previous=None) -> Runner:
