@@ -5,7 +5,10 @@ FlashInfer is never a dependency of bsrattn. :func:`flashinfer` imports it on de
 ``unavailable: <reason>`` and goes on. The wrappers used are its public Python API (0.6.x):
 ``BatchDecodeWithPagedKVCacheWrapper`` (CUDA-core and tensor-core decode), ``BatchPrefillWithRaggedKVCacheWrapper``
 and ``BatchPrefillWithPagedKVCacheWrapper`` (``backend="fa2"`` / ``"fa3"``), ``MultiLevelCascadeAttentionWrapper``
-(the cascade as shipped) and ``merge_state_in_place`` (to build the same two-level cascade on fa2 kernels).
+(the cascade as shipped), ``merge_state_in_place`` (to build the same two-level cascade on fa2 kernels) and
+``BatchAttentionWithAttentionSinkWrapper`` (attention sinks). The decode and prefill adapters pass an attention
+variant's keywords on to ``plan`` (``logits_soft_cap``, ``window_left``, ``pos_encoding_mode``, ``rope_theta``,
+``rope_scale``).
 
 FlashInfer compiles each kernel family the first time it is planned (JIT, ~13 s for decode, longer for
 prefill). ``python3 benchmarks/baselines.py prebuild [--quick]`` plans every family the suite uses on a tiny
@@ -19,6 +22,7 @@ import argparse
 import sys
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -49,7 +53,7 @@ def workspace(device="cuda"):
 
 
 def decode_wrapper(indptr, indices, last_page_len, *, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
-                   kv_dtype, tensor_cores, disable_split_kv=False):
+                   kv_dtype, tensor_cores, disable_split_kv=False, **variant):
     """A planned ``BatchDecodeWithPagedKVCacheWrapper`` over an NHD paged cache.
 
     Parameters
@@ -60,29 +64,50 @@ def decode_wrapper(indptr, indices, last_page_len, *, num_qo_heads, num_kv_heads
         ``use_tensor_cores``: FlashInfer's prefill kernels run as decode (its "tensor-core decode").
     disable_split_kv : bool
         One CTA per request (tensor-core decode only), for the scheduler on/off comparison.
+    **variant
+        ``plan``'s keywords of an attention variant (``logits_soft_cap``, ``window_left``, ``pos_encoding_mode``,
+        ``rope_theta``, ``rope_scale``).
     """
     fi = flashinfer()
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=tensor_cores)
     extra = {"disable_split_kv": True} if disable_split_kv else {}
     wrapper.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                 q_data_type=q_dtype, kv_data_type=kv_dtype, **extra)
+                 q_data_type=q_dtype, kv_data_type=kv_dtype, **extra, **variant)
     return wrapper
 
 
-def ragged_prefill_wrapper(qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal, backend):
-    """A planned ``BatchPrefillWithRaggedKVCacheWrapper`` (``backend`` ``"fa2"`` or ``"fa3"``)."""
+def ragged_prefill_wrapper(qo_indptr, kv_indptr, *, num_qo_heads, num_kv_heads, head_dim, dtype, causal, backend,
+                           **variant):
+    """A planned ``BatchPrefillWithRaggedKVCacheWrapper`` (``backend`` ``"fa2"`` or ``"fa3"``); ``variant`` as
+    :func:`decode_wrapper` takes it."""
     fi = flashinfer()
     wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD", backend=backend)
     wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, causal=causal, q_data_type=dtype,
-                 kv_data_type=dtype)
+                 kv_data_type=dtype, **variant)
     return wrapper
 
 
 def paged_prefill_wrapper(qo_indptr, indptr, indices, last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
-                          page_size, dtype, causal, backend):
-    """A planned ``BatchPrefillWithPagedKVCacheWrapper`` over an NHD paged cache."""
+                          page_size, dtype, causal, backend, **variant):
+    """A planned ``BatchPrefillWithPagedKVCacheWrapper`` over an NHD paged cache; ``variant`` as
+    :func:`decode_wrapper` takes it."""
     fi = flashinfer()
     wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", backend=backend)
+    wrapper.plan(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                 causal=causal, q_data_type=dtype, kv_data_type=dtype, **variant)
+    return wrapper
+
+
+def sink_prefill_wrapper(qo_indptr, indptr, indices, last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
+                         page_size, dtype, causal, backend):
+    """A planned ``BatchAttentionWithAttentionSinkWrapper``: :func:`paged_prefill_wrapper` with FlashInfer's
+    ``AttentionSink`` variant (JIT-built per dtype and backend). Call ``.run(q, (k, v), sinks, sm_scale)``:
+    ``sinks`` ``[num_qo_heads]`` float32 logits, ``sm_scale`` a float (the variant's own arguments, positional).
+    """
+    fi = flashinfer()
+    wrapper = fi.BatchAttentionWithAttentionSinkWrapper(workspace(), "NHD", backend=backend, q_data_type=dtype,
+                                                        kv_data_type=dtype, head_dim_qk=head_dim,
+                                                        head_dim_vo=head_dim)
     wrapper.plan(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                  causal=causal, q_data_type=dtype, kv_data_type=dtype)
     return wrapper
@@ -149,21 +174,36 @@ def flex_attention(device: str):
 
 
 # ---- JIT prebuild -----------------------------------------------------------------------------------------
-def _tiny_decode(q_dtype, kv_dtype, tensor_cores):
+VARIANT_MODULES = {"soft cap": {"logits_soft_cap": 30.0}, "sliding window": {"window_left": 7},
+                   "ALiBi": {"pos_encoding_mode": "ALIBI"}, "RoPE": {"pos_encoding_mode": "ROPE_LLAMA"}}
+"""W10's variants, one plan each: FlashInfer builds a module per combination of them that is on (the values do
+not matter), on top of the dtypes and the head dimension."""
+
+
+def _tiny_decode(q_dtype, kv_dtype, tensor_cores, **variant):
     import torch
 
     i32 = dict(dtype=torch.int32, device="cuda")
     decode_wrapper(torch.tensor([0, 2], **i32), torch.tensor([0, 1], **i32), torch.tensor([16], **i32),
                    num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                   tensor_cores=tensor_cores)
+                   tensor_cores=tensor_cores, **variant)
 
 
-def _tiny_ragged(dtype, backend):
+def _tiny_ragged(dtype, backend, **variant):
     import torch
 
     i32 = dict(dtype=torch.int32, device="cuda")
     ragged_prefill_wrapper(torch.tensor([0, 16], **i32), torch.tensor([0, 16], **i32), num_qo_heads=32,
-                           num_kv_heads=8, head_dim=128, dtype=dtype, causal=True, backend=backend)
+                           num_kv_heads=8, head_dim=128, dtype=dtype, causal=True, backend=backend, **variant)
+
+
+def _tiny_sink(dtype, backend):
+    import torch
+
+    i32 = dict(dtype=torch.int32, device="cuda")
+    sink_prefill_wrapper(torch.tensor([0, 1], **i32), torch.tensor([0, 1], **i32), torch.tensor([0], **i32),
+                         torch.tensor([16], **i32), num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                         dtype=dtype, causal=False, backend=backend)
 
 
 def _tiny_cascade_shipped(dtype):
@@ -185,24 +225,38 @@ def _tiny_merge(dtype):
     flashinfer().merge_state_in_place(o, s, o.clone(), s.clone())
 
 
-def prebuild_steps(quick: bool, workloads=("w1", "w2", "w3", "w4", "w5", "w6", "w8")):
+def prebuild_steps(quick: bool, workloads=("w1", "w2", "w3", "w4", "w5", "w6", "w8", "w10")):
     """``(name, fn)`` per FlashInfer JIT module the selected workloads use, in the order they need them."""
     import torch
 
     f16, bf16, e4m3 = torch.float16, torch.bfloat16, torch.float8_e4m3fn
-    # (name, workloads that use it, needed by a --quick run, build)
-    steps = [("decode fp16 (CUDA-core)", "w1 w2 w4 w5 w6 w8", True, lambda: _tiny_decode(f16, f16, False)),
-             ("decode fp16 (tensor-core: fa2 prefill fp16)", "w2 w4 w5 w6", True, lambda: _tiny_decode(f16, f16, True)),
-             ("decode fp16 q / fp8-e4m3 KV (CUDA-core)", "w2", True, lambda: _tiny_decode(f16, e4m3, False)),
-             ("merge_state_in_place fp16", "w5", True, lambda: _tiny_merge(f16)),
-             ("ragged prefill bf16 fa2", "w3 w8", True, lambda: _tiny_ragged(bf16, "fa2")),
-             ("ragged prefill bf16 fa3", "w3", True, lambda: _tiny_ragged(bf16, "fa3")),
-             ("decode bf16 (CUDA-core)", "w2", False, lambda: _tiny_decode(bf16, bf16, False)),
-             ("decode bf16 (tensor-core: fa2 prefill bf16)", "w2", False, lambda: _tiny_decode(bf16, bf16, True)),
-             ("cascade as shipped fp16 (fa3)", "w5", False, lambda: _tiny_cascade_shipped(f16)),
-             ("decode fp16 q / fp8-e4m3 KV (tensor-core)", "w2", False, lambda: _tiny_decode(f16, e4m3, True))]
-    return [(name, fn) for name, users, in_quick, fn in steps
-            if (in_quick or not quick) and set(users.split()) & set(workloads)]
+    # (name, workloads that use it, those of them whose --quick run needs it, build)
+    steps = [("decode fp16 (CUDA-core)", "w1 w2 w4 w5 w6 w8 w10", "w1 w2 w4 w5 w6 w8 w10",
+              lambda: _tiny_decode(f16, f16, False)),
+             ("decode fp16 (tensor-core: fa2 prefill fp16)", "w2 w4 w5 w6 w10", "w2 w4 w5 w6",
+              lambda: _tiny_decode(f16, f16, True)),
+             ("decode fp16 q / fp8-e4m3 KV (CUDA-core)", "w2", "w2", lambda: _tiny_decode(f16, e4m3, False)),
+             ("merge_state_in_place fp16", "w5", "w5", lambda: _tiny_merge(f16)),
+             ("ragged prefill bf16 fa2", "w3 w8 w10", "w3 w8 w10", lambda: _tiny_ragged(bf16, "fa2")),
+             ("ragged prefill bf16 fa3", "w3 w10", "w3", lambda: _tiny_ragged(bf16, "fa3")),
+             ("decode bf16 (CUDA-core)", "w2", "", lambda: _tiny_decode(bf16, bf16, False)),
+             ("decode bf16 (tensor-core: fa2 prefill bf16)", "w2", "", lambda: _tiny_decode(bf16, bf16, True)),
+             ("cascade as shipped fp16 (fa3)", "w5", "", lambda: _tiny_cascade_shipped(f16)),
+             ("decode fp16 q / fp8-e4m3 KV (tensor-core)", "w2", "", lambda: _tiny_decode(f16, e4m3, True))]
+    # W10, in the order it runs: decode then prefill, each variant after the plain module.
+    steps += [(f"decode fp16 (CUDA-core), {name}", "w10", "w10", partial(_tiny_decode, f16, f16, False, **plan))
+              for name, plan in VARIANT_MODULES.items()]
+    steps += [(f"decode fp16 (tensor-core), {name}", "w10", "", partial(_tiny_decode, f16, f16, True, **plan))
+              for name, plan in VARIANT_MODULES.items()]
+    steps += [("attention sinks fp16 fa2", "w10", "", partial(_tiny_sink, f16, "fa2"))]
+    steps += [(f"ragged prefill bf16 fa2, {name}", "w10", "w10", partial(_tiny_ragged, bf16, "fa2", **plan))
+              for name, plan in VARIANT_MODULES.items()]
+    steps += [(f"ragged prefill bf16 fa3, {name}", "w10", "", partial(_tiny_ragged, bf16, "fa3", **plan))
+              for name, plan in VARIANT_MODULES.items() if name in ("soft cap", "sliding window")]
+    steps += [(f"attention sinks bf16 {backend}", "w10", "", partial(_tiny_sink, bf16, backend))
+              for backend in ("fa2", "fa3")]
+    return [(name, fn) for name, users, quick_users, fn in steps
+            if set((quick_users if quick else users).split()) & set(workloads)]
 
 
 def prebuild(quick: bool, workloads) -> int:
@@ -228,7 +282,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Build FlashInfer's JIT modules that the benchmark suite uses.")
     p.add_argument("command", choices=["prebuild"])
     p.add_argument("--quick", action="store_true", help="only the modules the --quick suite uses")
-    p.add_argument("--workloads", default="w1,w2,w3,w4,w5,w6,w8", help="comma-separated workloads to build for")
+    p.add_argument("--workloads", default="w1,w2,w3,w4,w5,w6,w8,w10", help="comma-separated workloads to build for")
     args = p.parse_args(argv)
     return prebuild(args.quick, [w.strip() for w in args.workloads.split(",")])
 

@@ -82,13 +82,15 @@ def _float64(x, scale=None) -> np.ndarray:
 
 
 def reference_rows(layout, q, k, v, rows, *, kv_layout: str = "NHD", causal: bool = False, k_scale=None,
-                   v_scale=None) -> np.ndarray:
+                   v_scale=None, variant=None) -> np.ndarray:
     """float64 reference output ``[len(rows), num_qo_heads, head_dim]`` of query rows ``rows``.
 
     Gathers only the KV slots those rows see (from torch tensors on any device, or NumPy arrays), dequantises
     fp8 with its scale exactly as the reference tier does (``x.astype(f64) * scale``), and runs the reference
     tier on a vector-sparse layout of one query per row. A causal row keeps the keys up to its logical
-    position, so the result equals that row of the full attention (see the tests).
+    position, so the result equals that row of the full attention (see the tests). Each key keeps its logical
+    position there (the query sits after the keys it sees), so a variant of positions (window, ALiBi) gives
+    the same row too.
 
     Parameters
     ----------
@@ -97,6 +99,8 @@ def reference_rows(layout, q, k, v, rows, *, kv_layout: str = "NHD", causal: boo
     k, v : the pool in ``kv_layout`` storage: NHD ``[num_blocks, block_size, Hkv, D]`` (or ``[N, Hkv, D]``), or
         HND ``[num_blocks, Hkv, block_size, D]``
     rows : ``[n]`` query row indices
+    variant : Variant, optional
+        Applied to every row (``causal`` is what cuts the keys; the variant's own ``causal`` hides none of them).
     """
     lists = [visible_slots(layout, int(i), causal) for i in rows]
     # Each distinct slot is gathered once (rows of a shared prefix or of one causal request overlap).
@@ -107,7 +111,7 @@ def reference_rows(layout, q, k, v, rows, *, kv_layout: str = "NHD", causal: boo
     sub = ba.layouts.vector_sparse([position[offsets[j]:offsets[j + 1]] for j in range(len(lists))],
                                    np.ones(len(lists), dtype=np.int64), num_slots=int(slots.size))
     q_rows = _float64(q[_index(q, np.asarray(rows, dtype=np.int64))])
-    return ba.attention(q_rows, k_rows, v_rows, sub, backend="reference")
+    return ba.attention(q_rows, k_rows, v_rows, sub, variant=variant, backend="reference")
 
 
 def _as_tensor(y):

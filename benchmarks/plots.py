@@ -9,7 +9,8 @@
 - W6: ``plan()`` host time against batch size;
 - W7: the makespan ratios and the read-amplification model against its expectation;
 - W8: host time per call of a tight loop, per configuration;
-- W9: a transformers model's time per decode step, per configuration.
+- W9: a transformers model's time per decode step, per configuration;
+- W10: each variant's time over the same implementation's time with no variant, one panel per case.
 """
 
 from __future__ import annotations
@@ -216,9 +217,29 @@ def plot_w9(payload, fig):
     _legend(ax, fontsize=7)
 
 
+def plot_w10(payload, fig):
+    recs = _ok(payload["records"])
+    cases = list(dict.fromkeys(r["config"]["case"] for r in payload["records"]))
+    axes = np.atleast_1d(fig.subplots(1, max(len(cases), 1)))
+    for ax, case in zip(axes, cases):
+        rows = [r for r in recs if r["config"]["case"] == case]
+        variants = list(dict.fromkeys(r["config"]["variant"] for r in payload["records"]
+                                      if r["config"]["case"] == case and r["config"]["variant"] != "none"))
+        series = {}
+        for impl in _impls(rows):
+            times = {r["config"]["variant"]: r["time_us"] for r in rows if r["impl"] == impl}
+            if "none" in times:
+                series[f"{impl} (none: {times['none']:.1f} µs)"] = {v: t / times["none"] for v, t in times.items()}
+        _bars(ax, variants, series, "time / time with no variant (same implementation)")
+        ax.axhline(1.0, color="k", ls="--", lw=1)
+        ax.margins(y=0.3)  # room for the legend above the bars
+        ax.set_title(case)
+        _legend(ax, fontsize=7)
+
+
 PLOTS = {"w1_quest_decode": plot_w1, "w2_paged_decode": plot_w2, "w3_prefill": plot_w3, "w4_split_kv": plot_w4,
          "w5_cascade": plot_w5, "w6_plan_host": plot_w6, "w7_cpu_models": plot_w7, "w8_run_host": plot_w8,
-         "w9_transformers": plot_w9}
+         "w9_transformers": plot_w9, "w10_variants": plot_w10}
 
 
 def draw(payload, path: Path, dpi: int = 90) -> Path:

@@ -17,7 +17,7 @@ if __package__ in (None, ""):
 from benchmarks.records import RESULTS_DIR, config_label, load_results  # noqa: E402
 
 ORDER = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
-         "w7_cpu_models", "w8_run_host", "w9_transformers")
+         "w7_cpu_models", "w8_run_host", "w9_transformers", "w10_variants")
 NO_SPLIT = "-no-split"
 STATUS_MARK = {"unavailable": "n/a", "error": "error", "incorrect": "WRONG", "skipped": "skipped"}
 
@@ -212,6 +212,31 @@ def table_w9(payload) -> list:
             + markdown(header, lines) + _notes(table))
 
 
+def table_w10(payload) -> list:
+    """Per case, each variant's time and in brackets its change over the same implementation's ``none`` row, then
+    FlashInfer's best over bsrattn's."""
+    out = ["Per case: µs per call, in brackets the change over the same implementation's `none` row (the call "
+           "with no variant); `—`: that implementation is not given the variant (`w10_variants.py` says which "
+           "FlashInfer has, and why not the others):", ""]
+    for case in dict.fromkeys(r["config"]["case"] for r in payload["records"]):
+        table = Table([r for r in payload["records"] if r["config"]["case"] == case], row_of=lambda c: c["variant"])
+
+        def overhead(impl):
+            none = table.rows.get("none", {}).get(impl)
+
+            def fmt(rec) -> str:
+                if rec is none or none is None or not _ok(none):
+                    return _time(rec)
+                return f"{_time(rec)} ({(rec['time_us'] / none['time_us'] - 1) * 100:+.0f}%)"
+            return fmt
+
+        header = ["variant"] + table.columns + ["FlashInfer best / bsrattn-torch"]
+        lines = [[row] + [table.cell(row, c, overhead(c)) for c in table.columns] + [_vs_flashinfer(table, row)]
+                 for row in table.rows]
+        out += [f"**{case}**", ""] + markdown(header, lines) + _notes(table) + [""]
+    return out[:-1]
+
+
 def table_w7(payload) -> list:
     recs = [r for r in payload["records"] if r["status"] == "ok"]
     makespan = [r for r in recs if r["config"]["table"] == "makespan"]
@@ -250,6 +275,7 @@ SECTIONS = {
     "w7_cpu_models": table_w7,
     "w8_run_host": table_w8,
     "w9_transformers": table_w9,
+    "w10_variants": table_w10,
 }
 
 

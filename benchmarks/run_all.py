@@ -1,6 +1,6 @@
 """Run the benchmark suite with one command, then draw the plots and write the summary.
 
-    python3 benchmarks/run_all.py --quick              # workloads 1-7, few configurations (~7 minutes on the H200)
+    python3 benchmarks/run_all.py --quick              # every workload, few configurations (~14 minutes on the H200)
     python3 benchmarks/run_all.py --only w1,w3          # selected workloads, full configurations
     python3 benchmarks/run_all.py --only w7             # the CPU-only workload, anywhere
 
@@ -34,15 +34,17 @@ from benchmarks import harness, plots, records, report  # noqa: E402
 HERE = Path(__file__).resolve().parent
 WORKLOADS = {"w1": "w1_quest_decode", "w2": "w2_paged_decode", "w3": "w3_prefill", "w4": "w4_split_kv",
              "w5": "w5_cascade", "w6": "w6_plan_host", "w7": "w7_cpu_models", "w8": "w8_run_host",
-             "w9": "w9_transformers"}
+             "w9": "w9_transformers", "w10": "w10_variants"}
 CPU_ONLY = {"w7"}
-QUICK_BUDGET_S = {"w1": 110, "w2": 95, "w3": 75, "w4": 35, "w5": 45, "w6": 25, "w7": 15, "w8": 25, "w9": 60}
-"""Shares of a --quick run, in seconds (485 together). Workload i may start configurations until the sum of the
+QUICK_BUDGET_S = {"w1": 110, "w2": 95, "w3": 75, "w4": 35, "w5": 45, "w6": 25, "w7": 15, "w8": 25, "w9": 60,
+                  "w10": 240}
+"""Shares of a --quick run, in seconds (725 together). Workload i may start configurations until the sum of the
 shares up to and including its own has passed since the suite began: time one workload leaves unused goes to the
-next, an overrun comes out of the next."""
+next, an overrun comes out of the next. W10's share is large: each of its variants is a kernel of its own for
+every library, compiled the first time it runs."""
 GRACE_S = 90
 """A workload still running this long after its deadline is killed (its JSON keeps what it had measured), so a
---quick run ends within the total + GRACE_S + plotting: under 9 minutes."""
+--quick run ends within the total + GRACE_S + plotting: about 14 minutes with every workload."""
 
 
 def _has_gpu() -> bool:
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads, e.g. w1,w3 (default all)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds for all selected workloads together, split in the --quick proportions "
-                        "(default for --quick: their sum, 400 s; none for a full run)")
+                        "(default for --quick: the sum of their shares; none for a full run)")
     p.add_argument("--results", type=Path, default=records.RESULTS_DIR)
     p.add_argument("--samples", type=int, default=None, help="timed samples per mode (default 300, quick 100)")
     p.add_argument("--impls", default=None, help="comma-separated glob patterns of implementations to run")

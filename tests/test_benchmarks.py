@@ -17,11 +17,11 @@ if str(ROOT) not in sys.path:
 import bsrattn as ba  # noqa: E402
 from bsrattn.indexing import ceil_div  # noqa: E402
 from bsrattn.testing import scattered_page_tables  # noqa: E402
-from benchmarks import ceilings, correctness, harness, plots, records, report, run_all, timing  # noqa: E402
-from benchmarks import w7_cpu_models  # noqa: E402
+from benchmarks import baselines, ceilings, correctness, harness, plots, records, report, run_all, timing  # noqa: E402
+from benchmarks import w3_prefill, w7_cpu_models, w10_variants  # noqa: E402
 
 GPU_SCRIPTS = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
-               "w8_run_host", "w9_transformers")
+               "w8_run_host", "w9_transformers", "w10_variants")
 
 
 def _dry_suite(tmp_path=None, impls=None):
@@ -89,6 +89,20 @@ def test_reference_rows_equal_rows_of_the_full_reference(kv_layout, causal):
                         backend="reference")
     rows = np.array([0, 2, 3, 5, 7])
     got = correctness.reference_rows(layout, q, k, v, rows, kv_layout=kv_layout, causal=causal)
+    np.testing.assert_allclose(got, full[rows], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fields", [{"window_left": 3}, {"alibi_slopes": (0.5, 0.25, 0.125, 0.0625)},
+                                    {"sinks": (0.5, -1.0, 2.0, 0.0)}, {"logits_soft_cap": 2.0},
+                                    {"sigmoid_bias": -1.0}])
+def test_reference_rows_apply_a_variant_at_the_rows_positions(fields):
+    """Each checked row keeps its keys' positions and its query's, so a variant of positions gives the same row."""
+    rng = np.random.default_rng(4)
+    layout, q, k, v = _paged_problem(rng)
+    variant = ba.Variant(causal=True, **fields)
+    full = ba.attention(q, k, v, layout, variant=variant, backend="reference")
+    rows = np.array([0, 2, 3, 5, 7])
+    got = correctness.reference_rows(layout, q, k, v, rows, causal=True, variant=variant)
     np.testing.assert_allclose(got, full[rows], rtol=1e-12, atol=1e-12)
 
 
@@ -215,7 +229,8 @@ def test_gpu_script_dry_run(name, tmp_path):
         by_status.setdefault(rec["status"], []).append(rec["impl"])
     assert set(by_status) <= {"ok", "unavailable"}, [r for r in payload["records"] if r["status"] != "ok"]
     if name != "w9_transformers":  # the one workload without FlashInfer
-        assert by_status.get("unavailable") and all(i.startswith("flashinfer") for i in by_status["unavailable"])
+        assert by_status.get("unavailable") and all(
+            r["impl"].startswith("flashinfer") for r in payload["records"] if r["status"] == "unavailable")
     assert any(impl.startswith("bsrattn-") for impl in by_status["ok"])
     if name in ("w6_plan_host", "w8_run_host", "w9_transformers"):
         assert all(r["host"]["samples"] > 0 for r in payload["records"] if r["status"] == "ok")
@@ -223,6 +238,34 @@ def test_gpu_script_dry_run(name, tmp_path):
         checked = [r for r in payload["records"] if "check" in r]
         assert len(checked) == len(by_status["ok"])
         assert all(r["check"]["ok"] and r["check"]["rows_checked"] > 0 for r in checked)
+    if name == "w10_variants":
+        _check_w10(payload["records"])
+
+
+def _check_w10(records):
+    """W10's dry run: every variant of both cases, bsrattn's rows all checked, and only the window changing the
+    work (the keys a decode query sees, the pairs of a causal prefill)."""
+    recs = {(r["config"]["case"], r["config"]["variant"]): r for r in records if r["impl"] == "bsrattn-reference"}
+    assert set(recs) == {(c, v) for c in w10_variants.CASES for v in w10_variants.VARIANTS}
+    assert all(r["status"] == "ok" for r in recs.values())
+    assert recs["decode", "window"]["bytes"] < recs["decode", "none"]["bytes"] == recs["decode", "sinks"]["bytes"]
+    assert recs["prefill", "window"]["flops"] < recs["prefill", "none"]["flops"] == recs["prefill", "alibi"]["flops"]
+    assert w10_variants.band_flops([1024] * 16, -1, 32, 128) == w3_prefill.causal_flops([1024] * 16, 32, 128)
+
+
+def test_w10_alibi_slopes_are_the_geometric_ones():
+    slopes = w10_variants.alibi_slopes(32)
+    np.testing.assert_allclose(slopes, 2.0 ** (-0.25 * np.arange(1, 33)), rtol=1e-7)
+
+
+def test_prebuild_builds_what_each_run_needs():
+    quick = [name for name, _ in baselines.prebuild_steps(True, ["w10"])]
+    full = [name for name, _ in baselines.prebuild_steps(False, ["w10"])]
+    assert quick[:2] == ["decode fp16 (CUDA-core)", "ragged prefill bf16 fa2"]
+    assert "ragged prefill bf16 fa2, RoPE" in quick and "attention sinks bf16 fa3" not in quick
+    assert set(quick) < set(full) and "attention sinks bf16 fa3" in full
+    assert [name for name, _ in baselines.prebuild_steps(True, ["w3"])] == ["ragged prefill bf16 fa2",
+                                                                            "ragged prefill bf16 fa3"]
 
 
 # ---- plots and report from JSON alone ---------------------------------------------------------------------
@@ -272,7 +315,18 @@ def synthetic_payloads():
                eager={"median_us": t + 9.0}) for impl, t in (("bsrattn-torch", 17.0), ("flashinfer-cuda-core", 21.0))]
     w9 = [dict(_rec({"batch": 8, "prompt": 4096}, impl, t), time_mode="host", host={"median_us": t})
           for impl, t in (("bsrattn-torch", 9000.0), ("sdpa", 10000.0), ("eager", 14000.0))]
-    return {name: payload(name, recs) for name, recs in zip(GPU_SCRIPTS, (w1, w2, w3, w4, w5, w6, w8, w9))}
+    w10 = [_timed({"case": case, "variant": variant}, impl, t, 60.0)
+           for case, variant, impl, t in (("decode", "none", "bsrattn-torch", 80.0),
+                                          ("decode", "none", "flashinfer-cuda-core", 96.0),
+                                          ("decode", "soft_cap", "bsrattn-torch", 88.0),
+                                          ("decode", "soft_cap", "flashinfer-cuda-core", 120.0),
+                                          ("decode", "sigmoid", "bsrattn-torch", 100.0),
+                                          ("prefill", "none", "bsrattn-torch", 300.0),
+                                          ("prefill", "none", "flashinfer-fa2", 428.0),
+                                          ("prefill", "window", "bsrattn-torch", 200.0),
+                                          ("prefill", "window", "flashinfer-fa2", 300.0))]
+    w10.append(_rec({"case": "decode", "variant": "sinks"}, "flashinfer-paged-fa2", status="unavailable"))
+    return {name: payload(name, recs) for name, recs in zip(GPU_SCRIPTS, (w1, w2, w3, w4, w5, w6, w8, w9, w10))}
 
 
 def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
@@ -283,7 +337,7 @@ def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     assert sorted(p.stem for p in drawn) == sorted(report.ORDER)
     assert all(p.stat().st_size > 5000 for p in drawn)
     text = report.write_summary(tmp_path).read_text()
-    assert text.count("\n## ") == 9 and "Not run yet" not in text
+    assert text.count("\n## ") == 10 and "Not run yet" not in text
     for name in report.ORDER:
         assert f"python3 benchmarks/{name}.py" in text and f"![{name}]({name}.png)" in text
     assert "| seq_len=4096 budget=64 | 4.0 | 7.0 (0.57) | 40.0 (0.10) | n/a | 3.00 |" in text
@@ -296,12 +350,16 @@ def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     assert "4.20 TB/s" in text and "790 TFLOP/s" in text
     assert "| kind=decode batch=1 kv_len=1024 | 17.0 (26.0) | 21.0 (30.0) |" in text
     assert "| batch=8 prompt=4096 | 9.00 | 10.00 | 14.00 | 1.11x |" in text
+    assert "| none | 80.0 | 96.0 | — | 1.20x |" in text  # bsrattn, CUDA-core, paged fa2; FlashInfer / bsrattn
+    assert "| soft_cap | 88.0 (+10%) | 120.0 (+25%) | — | 1.36x |" in text
+    assert "| sinks | — | — | n/a | — |" in text and "| sigmoid | 100.0 (+25%) | — | — | — |" in text
+    assert "| window | 200.0 (-33%) | 300.0 (-30%) | 1.50x |" in text
 
 
 def test_plots_survive_records_without_times(tmp_path):
     """A dry run or a run where everything failed has no times: the figures still draw, empty."""
     for name, payload in synthetic_payloads().items():
-        if name not in ("w1_quest_decode", "w4_split_kv", "w6_plan_host"):
+        if name not in ("w1_quest_decode", "w4_split_kv", "w6_plan_host", "w10_variants"):
             continue
         empty = dict(payload, records=[dict(r, status="unavailable", reason="dry run") for r in payload["records"]])
         assert plots.draw(empty, tmp_path / f"{name}.png").stat().st_size > 0
@@ -315,5 +373,5 @@ def test_run_all_deadlines_and_selection(capsys):
     assert scaled["w2"] == pytest.approx(95.0) and 0 < scaled["w1"] < scaled["w2"]
     assert run_all._deadlines(["w3"], False, None, 0.0) == {"w3": None}
     with pytest.raises(SystemExit):
-        run_all.main(["--only", "w10"])
-    assert "unknown workloads ['w10']" in capsys.readouterr().err
+        run_all.main(["--only", "w11"])
+    assert "unknown workloads ['w11']" in capsys.readouterr().err
