@@ -38,6 +38,8 @@ CONFIGS = {
                                                        dict(causal=True, redo=True)),
     "prefill bf16, d256, causal, ALiBi": ("bfloat16", "bfloat16", 256, 4, 32, "NHD", 16,
                                           dict(causal=True, alibi=True)),
+    "decode fp16, HND, a block of 1000 slots per request (transformers' cache)": ("float16", "float16", 64, 4, 4,
+                                                                                 "HND", 1000, {}),
     "decode fp16 + fp8-e4m3 KV, fused RoPE, G4": ("float16", "float8_e4m3fn", 128, 4, 4, "NHD", 16, dict(rope=True)),
     "prefill bf16, causal, fused RoPE, d64": ("bfloat16", "bfloat16", 64, 4, 32, "NHD3", 1,
                                               dict(causal=True, rope=True)),

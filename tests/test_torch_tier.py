@@ -224,6 +224,25 @@ def test_plan_options_pick_decode_and_prefill_tiles():
     assert tcfg.LaunchConfig.from_list(config.to_list()) == config
 
 
+def test_block_sizes_that_are_not_powers_of_two_share_one_kernel():
+    """transformers' cache is one block of ``S`` slots per request, ``S`` growing every step: the kernel reads such
+    a block size at run time, so the steps share one compiled kernel instead of compiling one each; a page size
+    that is a power of two stays a compile-time constant."""
+    from dataclasses import replace
+
+    from bsrattn.torch_cuda import executor
+    from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
+
+    buffers = PlanBuffers(Capacity(4, 16, 16, 16, 16, 0, 16), 8, 2, 64, torch.device(DEVICE))
+    base = tcfg.LaunchConfig(4, 2, 4, 64, 16, 16, 64, 64, 4, 3, "HND", False, -1, False, False, False, False, False,
+                             True, True)
+    kinds = {bs: executor.Launch(buffers, replace(base, block_size=bs))._plan_kind for bs in (16, 512, 1000, 1001)}
+    assert kinds[1000] == kinds[1001] != kinds[16] != kinds[512]
+    block_sizes = {bs: executor.constexprs(replace(base, block_size=bs), torch.float16)["BLOCK_SIZE"]
+                   for bs in kinds}
+    assert block_sizes == {16: 16, 512: 512, 1000: 0, 1001: 0}
+
+
 # ---- out= / lse= buffers ------------------------------------------------------------------------------
 
 def test_out_and_lse_buffers_are_written_and_returned():

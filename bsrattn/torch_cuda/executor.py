@@ -37,6 +37,7 @@ launch replays correctly after the buffers are refilled.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import torch
 import triton
@@ -45,7 +46,7 @@ import triton.language as tl
 from bsrattn.items import ITEM, ITEM_STRIDE
 from bsrattn.torch_cuda import microkernel
 from bsrattn.torch_cuda.config import interpreter_turn, interpreting
-from bsrattn.torch_cuda.gather import kv_strides
+from bsrattn.torch_cuda.gather import block_size_constexpr, kv_strides
 from bsrattn.torch_cuda.indexing import query_position, tile_head, tile_query
 from bsrattn.torch_cuda.merge import fold_partials
 
@@ -79,7 +80,7 @@ def persistent_attention(
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         stride_on, stride_oh, stride_od,
-        stride_ln, stride_lh,
+        stride_ln, stride_lh, block_size,  # block_size: read where the BLOCK_SIZE constexpr is 0 (gather.py)
         qk_scale, v_scale, soft_cap, sigmoid_bias,
         # ... then what the plan's buffers and the configuration fix (plan_args).
         part_o, part_lse, sync,  # [partial_rows, Hq, D] f32; [partial_rows, Hq] f32; [3*M + W, Hkv] i32
@@ -161,8 +162,8 @@ def persistent_attention(
                 slopes = tl.load(alibi_ptr + head, mask=valid_m, other=0.0)
             o, lse = microkernel.attend_range(
                 q, q2, q_pos, q_local, valid_m, slopes, rope_freq, k_head, v_head, kv_indices, row_block_start,
-                first_slot, lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb,
-                stride_vs, stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+                first_slot, block_size, lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd,
+                stride_vb, stride_vs, stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
                 HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H,
                 BLOCK_SIZE=BLOCK_SIZE, DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP,
                 ALIBI=ALIBI, SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
@@ -208,7 +209,8 @@ def call_args(q, k, v, out, lse, config, scalars) -> tuple:
     is false. Shapes, dtypes and devices are the caller's to check.
     """
     return (q, k, v, out, lse, *q.stride(), *kv_strides(k, config.kv_view), *kv_strides(v, config.kv_view),
-            *out.stride(), *lse.stride(), scalars.qk_scale, scalars.v_scale, scalars.soft_cap, scalars.sigmoid_bias)
+            *out.stride(), *lse.stride(), config.block_size, scalars.qk_scale, scalars.v_scale, scalars.soft_cap,
+            scalars.sigmoid_bias)
 
 
 _CONSTEXPR_NAMES = tuple(name for name, p in inspect.signature(persistent_attention.fn).parameters.items()
@@ -228,7 +230,7 @@ def plan_args(buffers, config) -> tuple:
 
 def constexprs(config, q_dtype, redo: bool = False) -> dict:
     """The compile-time arguments of :func:`persistent_attention` for ``config`` and a ``q`` of ``q_dtype``."""
-    return dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=config.block_size,
+    return dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=block_size_constexpr(config.block_size),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
                 BLOCK_H=max(16, config.block_d // 2), CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0,
                 SOFT_CAP=config.soft_cap, ALIBI=config.alibi, SIGMOID=config.sigmoid, ROPE=config.rope,
@@ -292,13 +294,16 @@ class Launch:
         self.sync = buffers.sync
         self.plan = plan_args(buffers, config)
         self._plan_ptrs = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in self.plan)
-        self._plan_kind = (config, self.sync.device, *map(_specialised, self.plan))
+        # Block sizes that are not powers of two share one kernel (gather.block_size_constexpr).
+        kernel_config = replace(config, block_size=block_size_constexpr(config.block_size))
+        self._plan_kind = (kernel_config, self.sync.device, *map(_specialised, self.plan))
         self._last = (None, None)  # the last call's (dtypes, pointers' alignment, strides) and its kernels
 
     def __call__(self, q, k, v, out, lse, scalars):
         view = self.config.kv_view
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
-        ints = (*q.stride(), *kv_strides(k, view), *kv_strides(v, view), *out.stride(), *lse.stride())
+        ints = (*q.stride(), *kv_strides(k, view), *kv_strides(v, view), *out.stride(), *lse.stride(),
+                self.config.block_size)
         exact = (q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, *(p % 16 for p in ptrs), *ints)
         last, kernels = self._last
         if last != exact:

@@ -36,8 +36,24 @@ def kv_strides(x, view: str) -> tuple:
     return (s[0], s[2], s[1], s[3]) if view == "HND" else (s[0], s[1], s[2], s[3])
 
 
+def block_size_constexpr(block_size: int) -> int:
+    """The kernel's compile-time ``BLOCK_SIZE`` for a layout of ``block_size``: itself when a power of two (the
+    slot arithmetic is then shifts and masks), else 0, which reads the runtime ``block_size`` instead, so that a
+    cache whose block is a whole request (transformers' ``[B, Hkv, S, D]``, ``S`` growing every step) does not
+    compile a kernel per length."""
+    return block_size if block_size & (block_size - 1) == 0 else 0
+
+
 @triton.jit
-def tile_blocks(kv_indices, row_block_start, row_first_slot, start, kv_end,
+def _split(slot, block_size, BLOCK_SIZE: tl.constexpr):
+    """``(slot // Bc, slot % Bc)``, ``Bc`` the compile-time ``BLOCK_SIZE`` or, when it is 0, ``block_size``."""
+    if BLOCK_SIZE == 0:
+        return slot // block_size, slot % block_size
+    return slot // BLOCK_SIZE, slot % BLOCK_SIZE
+
+
+@triton.jit
+def tile_blocks(kv_indices, row_block_start, row_first_slot, start, kv_end, block_size,
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr):
     """``[BLOCK_N]`` block ids of a row's logical KV slots ``start + arange(BLOCK_N)`` (0 past ``kv_end``).
 
@@ -48,12 +64,12 @@ def tile_blocks(kv_indices, row_block_start, row_first_slot, start, kv_end,
     end = kv_end
     if DENSE_ROWS:
         end = tl.where(row_first_slot < 0, kv_end, 0)
-    return tl.load(kv_indices + row_block_start + i // BLOCK_SIZE, mask=i < end, other=0)
+    return tl.load(kv_indices + row_block_start + _split(i, block_size, BLOCK_SIZE)[0], mask=i < end, other=0)
 
 
 @triton.jit
 def slot_offsets(blocks, row_first_slot, i,  # blocks, i: [BLOCK_N]
-                 stride_block, stride_slot, BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr):
+                 stride_block, stride_slot, block_size, BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr):
     """``[BLOCK_N]`` int64 element offsets of logical KV slots ``i`` of a row (before the head and dim terms).
 
     Sparse path: pool slot ``blocks * Bc + i % Bc``, ``blocks`` from :func:`tile_blocks`. Dense path (only
@@ -61,12 +77,12 @@ def slot_offsets(blocks, row_first_slot, i,  # blocks, i: [BLOCK_N]
     ``row_first_slot + i`` (:func:`bsrattn.indexing.dense_slot`). The choice is per row, at run time.
     """
     block = blocks
-    within = i % BLOCK_SIZE
+    within = _split(i, block_size, BLOCK_SIZE)[1]
     if DENSE_ROWS:
         dense = row_first_slot >= 0
-        slot = row_first_slot + i
-        block = tl.where(dense, slot // BLOCK_SIZE, block)
-        within = tl.where(dense, slot % BLOCK_SIZE, within)
+        dense_block, dense_within = _split(row_first_slot + i, block_size, BLOCK_SIZE)
+        block = tl.where(dense, dense_block, block)
+        within = tl.where(dense, dense_within, within)
     return block.to(tl.int64) * stride_block + within.to(tl.int64) * stride_slot
 
 

@@ -151,7 +151,7 @@ def finish(acc, m_i, l_i, bad, v_scale, SIGMOID: tl.constexpr):
 
 @triton.jit
 def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq,
-                k_head, v_head, row_first_slot, kv_end, kv_len, mask_ptr, mask_start,
+                k_head, v_head, row_first_slot, block_size, kv_end, kv_len, mask_ptr, mask_start,
                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                 qk_scale, soft_cap, window_left, sigmoid_bias,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -168,7 +168,8 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_
     d = tl.arange(0, BLOCK_D)
     k_pos = start + tl.arange(0, BLOCK_N)
     valid_n = k_pos < kv_end
-    k_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_kb, stride_ks, BLOCK_SIZE, DENSE_ROWS)
+    k_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_kb, stride_ks, block_size, BLOCK_SIZE,
+                                DENSE_ROWS)
     if ROPE:
         half = tl.arange(0, BLOCK_H)
         k, k2 = rope_turn(
@@ -184,7 +185,8 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_
     if MASKED:
         vis = visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_ptr, mask_start,
                       CAUSAL, HAS_WINDOW, CUSTOM_MASK)
-    v_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_vb, stride_vs, BLOCK_SIZE, DENSE_ROWS)
+    v_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_vb, stride_vs, block_size, BLOCK_SIZE,
+                                DENSE_ROWS)
     v = gather.load_tile(v_head, v_off, valid_n, d, stride_vd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
     if MASKED and DROP_HIDDEN:
         v, bad = drop_hidden(v, vis, bad)
@@ -197,7 +199,7 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_
 
 @triton.jit
 def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq,  # q [BLOCK_M, BLOCK_D]; q_pos... [BLOCK_M]
-                 k_head, v_head, kv_indices, row_block_start, row_first_slot, kv_start, kv_end, kv_len,
+                 k_head, v_head, kv_indices, row_block_start, row_first_slot, block_size, kv_start, kv_end, kv_len,
                  mask_ptr, mask_start,
                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                  qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
@@ -226,30 +228,32 @@ def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq,  # q [BLOCK_
     bad = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Sparse path: a tile's block ids are loaded one tile ahead, so no K/V copy waits on an index load of
     # its own iteration and the pipeliner keeps num_stages - 1 tiles in flight.
-    blocks = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, kv_start, kv_end, BLOCK_N, BLOCK_SIZE,
-                                DENSE_ROWS)
+    blocks = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, kv_start, kv_end, block_size, BLOCK_N,
+                                BLOCK_SIZE, DENSE_ROWS)
     mid = kv_start
     if CAUSAL and not (HAS_WINDOW or CUSTOM_MASK):
         # Tiles wholly below the diagonal (before the tile's first query position) need no mask.
         mid = kv_start + tl.maximum(tl.minimum(kv_end, tl.min(q_pos, 0) + 1) - kv_start, 0) // BLOCK_N * BLOCK_N
         for start in range(kv_start, mid, BLOCK_N):
             ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end,
-                                       BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
+                                       block_size, BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
             acc, m_i, l_i, bad = attend_tile(
                 acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, k_head, v_head,
-                row_first_slot, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb,
-                stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=False, DROP_HIDDEN=False,
+                row_first_slot, block_size, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd,
+                stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=False,
+                DROP_HIDDEN=False,
                 HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
                 DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
                 SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
             blocks = ahead
     for start in range(mid, kv_end, BLOCK_N):
-        ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end, BLOCK_N,
-                                   BLOCK_SIZE, DENSE_ROWS)
+        ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end, block_size,
+                                   BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
         acc, m_i, l_i, bad = attend_tile(
             acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, k_head, v_head,
-            row_first_slot, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb,
-            stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=True, DROP_HIDDEN=DROP_HIDDEN,
+            row_first_slot, block_size, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd,
+            stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=True,
+            DROP_HIDDEN=DROP_HIDDEN,
             HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
             DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
             SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
