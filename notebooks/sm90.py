@@ -67,7 +67,7 @@ def _compile(q_dtype, head_dim, group, tile_q, causal):
         num_ctas=4, num_kv_heads=hkv, group_size=group, head_dim=head_dim, block_size=block_size,
         block_m=tiles.block_m, block_n=tiles.block_n, block_d=cfg.block_d(head_dim), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, kv_view="NHD", causal=causal, window_left=-1, soft_cap=False, alibi=False,
-        sigmoid=False, custom_mask=False, store_lse=True, dense_rows=True)
+        sigmoid=False, rope=False, custom_mask=False, store_lse=True, dense_rows=True)
     dtype = getattr(torch, q_dtype)
     q = torch.empty((32, hkv * group, head_dim), dtype=dtype)
     k, v = (torch.empty((blocks, block_size, hkv, head_dim), dtype=dtype) for _ in range(2))
