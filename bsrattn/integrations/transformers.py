@@ -40,7 +40,13 @@ batch, heads, ``S_q``, ``S_kv``, ``head_dim``, dtypes, variant, and the mask ten
 reference, so a mask that is freed matches nothing; a mask is read once, so do not change one in place
 between calls). Without a mask the plan depends on the shapes alone and is reused across steps of equal
 shapes. The latest :data:`PLANS_KEPT` plans are kept, enough for models that alternate sliding and full
-layers, each with its own mask.
+layers, each with its own mask. ``S_kv`` grows every step: the torch tier reads a block size that is not a power
+of two at run time, so the steps share one compiled kernel.
+
+**Paged caches.** transformers' own continuous batching (``generate_batch``) accepts only ``"paged|eager"``,
+``"sdpa"`` and flash implementations (transformers 5.24, whose other ``paged|`` names are deprecated), so it
+cannot call a registered attention function. bsrattn's paged path is its own: :class:`bsrattn.integrations.paged.PagedKVCache`
+and the serving loop of ``examples/paged_generation.py``, driving a transformers model's weights.
 """
 
 from __future__ import annotations
