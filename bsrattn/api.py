@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from bsrattn import scheduler
@@ -32,6 +33,14 @@ def _levels(layout):
 
 def _level_variant(layout, level, variant):
     return layout.level_variant(level, variant) if isinstance(layout, Cascade) else variant
+
+
+def _positioned(layout, level, spec):
+    """``spec`` of level ``level`` of ``layout``; a Cascade level's with fused RoPE carries its positions in the
+    whole sequence (``Cascade.rope_positions``)."""
+    if isinstance(layout, Cascade) and spec.variant.use_rope:
+        return replace(spec, rope_positions=layout.rope_positions(level))
+    return spec
 
 
 def _spec_args(spec) -> tuple:
@@ -136,8 +145,9 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
             return (o, s) if return_lse else o
         specs = [spec]  # one level, then the sinks (_merge_levels)
     else:
-        specs = [spec_from_inputs(q, k, v, level, _level_variant(layout, i, variant), kv_layout, out=out, lse=lse,
-                                  **run_kwargs) for i, level in enumerate(_levels(layout))]
+        specs = [_positioned(layout, i, spec_from_inputs(q, k, v, level, _level_variant(layout, i, variant),
+                                                         kv_layout, out=out, lse=lse, **run_kwargs))
+                 for i, level in enumerate(_levels(layout))]
     states = [be.attention(spec, q, k, v, out=None, lse=None, return_lse=not variant.use_sigmoid,
                            k_scale=k_scale, v_scale=v_scale) for spec in specs]
     o, s = _merge_levels(be, states, variant, out, lse)
@@ -246,6 +256,7 @@ class BatchAttention:
             else:
                 spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, level_variant, q_dtype, kv_dtype,
                                  kv_layout)
+            spec = _positioned(layout, i, spec)
             options = dict(self.backend.plan_options(spec))
             if num_ctas is not None:
                 options.update(num_ctas=num_ctas, min_split_size=1, kv_align=1)

@@ -38,6 +38,7 @@ ITEM_FIELDS = (
     "first_slot",  # first pool slot when the row's blocks are consecutive (the dense path), else -1
     "mask_start",  # mask_indptr of the block row (0 without a custom mask: then nothing reads it)
     "row",  # the block row
+    "rope_offset",  # fused RoPE's position of the block row's first slot (0 but in a Cascade's later levels)
 )
 """The int32 fields of an item row, in order; kernels read them by these names (:data:`ITEM`)."""
 ITEM = {name: i for i, name in enumerate(ITEM_FIELDS)}
@@ -50,7 +51,7 @@ _PARTIAL, _MERGE = ITEM["partial"], ITEM["merge"]
 _PARTS_LO, _PARTS_HI = ITEM["parts_lo"], ITEM["parts_hi"]
 _QO_FIRST, _QO_LEN, _KV_LEN = ITEM["qo_first"], ITEM["qo_len"], ITEM["kv_len"]
 _BLOCK_START, _FIRST_SLOT = ITEM["block_start"], ITEM["first_slot"]
-_MASK_START, _ROW = ITEM["mask_start"], ITEM["row"]
+_MASK_START, _ROW, _ROPE_OFFSET = ITEM["mask_start"], ITEM["row"], ITEM["rope_offset"]
 _NUM_FIELDS = len(ITEM_FIELDS)
 
 
@@ -95,7 +96,8 @@ def first_slots(first_slot: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.nd
 def pack_items(items: np.ndarray, item_row: np.ndarray, item_qo_start: np.ndarray, item_qo_end: np.ndarray,
                item_kv_start: np.ndarray, item_kv_end: np.ndarray, item_partial: np.ndarray,
                merge_indptr: np.ndarray, merge_partials: np.ndarray, num_partial_rows: int, qo_indptr: np.ndarray,
-               kv_indptr: np.ndarray, kv_lens: np.ndarray, mask_indptr: np.ndarray, first_slot: np.ndarray) -> None:
+               kv_indptr: np.ndarray, kv_lens: np.ndarray, mask_indptr: np.ndarray, first_slot: np.ndarray,
+               rope_offsets: np.ndarray) -> None:
     """``items[w]`` <- the row of :data:`ITEM_FIELDS` of work item ``w``: its own fields, its merge's, its block
     row's; the padding after the fields is zero.
 
@@ -117,6 +119,9 @@ def pack_items(items: np.ndarray, item_row: np.ndarray, item_qo_start: np.ndarra
         ``[R+1]``: :func:`mask_starts` of the layout.
     first_slot : numpy.ndarray
         ``[R]``: :func:`first_slots` of the layout.
+    rope_offsets : numpy.ndarray
+        ``[R]``, or ``[0]`` for zeros: the position of each row's first slot for fused RoPE
+        (``AttentionSpec.rope_frame``).
     """
     # The merge a split item's partial state belongs to, by the state's first workspace row.
     merge_of = np.full(max(num_partial_rows, 1), -1, np.int64)
@@ -142,16 +147,17 @@ def pack_items(items: np.ndarray, item_row: np.ndarray, item_qo_start: np.ndarra
         items[w, _FIRST_SLOT] = first_slot[r]
         items[w, _MASK_START] = mask_indptr[r]
         items[w, _ROW] = r
+        items[w, _ROPE_OFFSET] = rope_offsets[r] if rope_offsets.size else 0
         for f in range(_NUM_FIELDS, ITEM_STRIDE):
             items[w, f] = 0
 
 
 def _table(items, first_slot, item_row, item_qo_start, item_qo_end, item_kv_start, item_kv_end, item_partial,
            merge_indptr, merge_partials, num_partial_rows, qo_indptr, kv_indptr, kv_indices, kv_lens, mask_indptr,
-           block_size):
+           block_size, rope_offsets):
     first_slots(first_slot, kv_indptr, kv_indices, block_size)
     pack_items(items, item_row, item_qo_start, item_qo_end, item_kv_start, item_kv_end, item_partial, merge_indptr,
-               merge_partials, num_partial_rows, qo_indptr, kv_indptr, kv_lens, mask_indptr, first_slot)
+               merge_partials, num_partial_rows, qo_indptr, kv_indptr, kv_lens, mask_indptr, first_slot, rope_offsets)
 
 
 _pack_table = Compiled(_table, first_slots, pack_items)
@@ -183,7 +189,7 @@ def mask_starts(layout: BSRLayout) -> np.ndarray:
     return layout.mask_indptr
 
 
-def item_table(work_plan: WorkPlan, layout: BSRLayout) -> np.ndarray:
+def item_table(work_plan: WorkPlan, layout: BSRLayout, rope_offsets: np.ndarray | None = None) -> np.ndarray:
     """The item rows of ``work_plan`` over ``layout``, in plan order.
 
     Parameters
@@ -192,6 +198,8 @@ def item_table(work_plan: WorkPlan, layout: BSRLayout) -> np.ndarray:
         The plan to pack.
     layout : BSRLayout
         The layout the plan was made for.
+    rope_offsets : numpy.ndarray, optional
+        ``[R]``: fused RoPE's position of each row's first slot (``AttentionSpec.rope_frame``); None: 0.
 
     Returns
     -------
@@ -214,5 +222,6 @@ def item_table(work_plan: WorkPlan, layout: BSRLayout) -> np.ndarray:
     _pack_table(items, np.empty(layout.num_rows, dtype=np.int64), wp.item_row, wp.item_qo_start, wp.item_qo_end,
                 wp.item_kv_start, wp.item_kv_end, wp.item_partial, wp.merge_indptr, wp.merge_partials,
                 wp.num_partial_rows, layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_lens,
-                mask_starts(layout), layout.block_size)
+                mask_starts(layout), layout.block_size,
+                np.zeros(0, np.int64) if rope_offsets is None else np.asarray(rope_offsets, dtype=np.int64))
     return items

@@ -309,6 +309,13 @@ class BSRLayout:
         """``[R+1]`` offsets of each row's ``[qo_len, kv_len]`` block in ``custom_mask``."""
         return self._mask_indptr
 
+    @property
+    def query_positions(self) -> np.ndarray:
+        """``[nnz_qo]`` int64: each query row's position among its row's keys, ``kv_len - qo_len + i`` (the
+        position the position masks, ALiBi and fused RoPE give query ``i`` of a row)."""
+        local = np.arange(self.nnz_qo, dtype=np.int64) - np.repeat(self.qo_indptr[:-1], self.qo_lens)
+        return np.repeat(self.kv_lens - self.qo_lens, self.qo_lens) + local
+
     def kv_slots(self, r: int) -> np.ndarray:
         """Pool slots of row ``r``'s logical KV sequence, in order (``[kv_len[r]]``).
 
@@ -548,8 +555,9 @@ class Cascade:
     Every level has the same query rows (``nnz_qo``) and reads the same KV pool; level ``l`` covers a
     disjoint part of each query's keys. The attention over the cascade is the ⊕-fold of the levels' states
     in level order. Levels before the last precede every query (a shared prefix), so position masks apply
-    only within the last level; variants that need absolute positions (ALiBi, sliding window, fused RoPE) are
-    rejected.
+    only within the last level. Fused RoPE turns queries and keys at their positions in the whole sequence
+    (:meth:`rope_positions`); ALiBi and sliding windows, which would mask or bias the earlier levels per query,
+    are rejected.
 
     Parameters
     ----------
@@ -613,14 +621,65 @@ class Cascade:
         Raises
         ------
         ValueError
-            ``variant`` has ALiBi slopes, a sliding window or fused RoPE.
+            ``variant`` has ALiBi slopes or a sliding window.
         """
         from dataclasses import replace
 
-        if variant.alibi_slopes is not None or variant.window_left >= 0 or variant.use_rope:
-            raise ValueError("Cascade does not support alibi_slopes, window_left or rope_theta: its levels do not "
-                             "know absolute positions; use the flattened layout (Cascade.flatten())")
+        if variant.alibi_slopes is not None or variant.window_left >= 0:
+            raise ValueError("Cascade does not support alibi_slopes or window_left: they would bias or mask the "
+                             "earlier levels' keys per query; use the flattened layout (Cascade.flatten())")
         return variant if level == len(self.levels) - 1 else replace(variant, causal=False)
+
+    def rope_positions(self, level: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where fused RoPE turns level ``level``'s queries and keys: at their positions in the whole sequence.
+
+        A query's keys are its rows' keys of every level in level order, as in :meth:`flatten`: its position is
+        ``K - qo_len + i`` for ``K`` its keys in all levels and ``i`` its place among the ``qo_len`` queries of its
+        last-level row, and slot ``j`` of a level's row sits at ``j`` plus the keys of the earlier levels.
+
+        Parameters
+        ----------
+        level : int
+            The level's index in ``levels``.
+
+        Returns
+        -------
+        q_positions : numpy.ndarray
+            ``[nnz_qo]`` int64, each query's position.
+        kv_offsets : numpy.ndarray
+            ``[R]`` int64 for the level's ``R`` rows: the position of each row's first slot.
+
+        Raises
+        ------
+        ValueError
+            A level's row whose queries have different numbers of earlier-level keys (its slots would sit at
+            a different position for each), or positions past int32.
+
+        Examples
+        --------
+        >>> import bsrattn as ba
+        >>> c = ba.layouts.shared_prefix([1, 2], [0], 4, [[1], [2]], [3, 5], page_size=8, num_pages=3)
+        >>> [p.tolist() for p in c.rope_positions(0)], [p.tolist() for p in c.rope_positions(1)]
+        ([[6, 7, 8], [0]], [[6, 7, 8], [4, 4]])
+        """
+        level = as_int("level", level, minimum=0, maximum=len(self.levels) - 1)
+
+        def keys_before(upto):  # [nnz_qo]: each query's keys in the levels before level ``upto``
+            zero = np.zeros(self.nnz_qo, np.int64)
+            return sum((np.repeat(lv.kv_lens, lv.qo_lens) for lv in self.levels[:upto]), zero)
+
+        q_positions = keys_before(len(self.levels) - 1) + self.levels[-1].query_positions
+        if q_positions.size and int(q_positions.max()) > INT32_MAX:
+            raise ValueError(f"a query sits at position {int(q_positions.max())}, past int32 (the GPU kernels' index)")
+        lay, before = self.levels[level], keys_before(level)
+        kv_offsets = np.zeros(lay.num_rows, dtype=np.int64)
+        for r in np.flatnonzero(lay.qo_lens):
+            seen = before[lay.qo_indptr[r]:lay.qo_indptr[r + 1]]
+            if np.any(seen != seen[0]):
+                raise ValueError(f"levels[{level}] row {r} holds queries with {int(seen.min())} and {int(seen.max())} "
+                                 f"keys in the levels before it: fused RoPE needs one position per slot")
+            kv_offsets[r] = seen[0]
+        return q_positions, kv_offsets
 
     def flatten(self) -> BSRLayout:
         """The same attention as one ``block_size=1`` layout: each query's slots from every level in order.

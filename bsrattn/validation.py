@@ -9,7 +9,7 @@ float, not even ``2.0``); a float argument takes any Python or NumPy real number
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -93,6 +93,17 @@ class AttentionSpec:
     q_dtype: str | None
     kv_dtype: str | None
     kv_view: str
+    # Where fused RoPE turns the queries and keys when not at the layout's own positions: a Cascade level's
+    # (q_positions [nnz_qo], kv_offsets [R]), Cascade.rope_positions. None: rope_frame's default.
+    rope_positions: tuple | None = field(default=None, compare=False)
+
+    def rope_frame(self) -> tuple:
+        """``(q_positions [nnz_qo], kv_offsets [R])`` int64: the position fused RoPE turns each query row at, and
+        the position of each block row's first slot (its slot ``j`` at ``kv_offsets[r] + j``). The layout's own
+        positions (``BSRLayout.query_positions``, offsets 0) unless ``rope_positions`` says otherwise."""
+        if self.rope_positions is not None:
+            return self.rope_positions
+        return self.layout.query_positions, np.zeros(self.layout.num_rows, dtype=np.int64)
 
     @property
     def group_size(self) -> int:

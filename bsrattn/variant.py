@@ -12,7 +12,8 @@ For a query at position ``q_pos`` and a key at ``k_pos`` (logical positions, see
    so a cache may hold un-rotated keys. The positions are the logical ones (a key at its slot of the row, a
    query at ``kv_len - qo_len + i``): a layout whose slots are a request's positions (dense, ragged, paged)
    rotates at the request's positions; one whose slots skip positions (Quest's selected pages, a pruned or
-   tree layout) rotates at the slots, so rotate such keys before they are cached instead.
+   tree layout) rotates at the slots, so rotate such keys before they are cached instead. A ``Cascade``'s
+   levels rotate at positions in the whole sequence (``Cascade.rope_positions``).
 1. ``s = sm_scale * (q . k)``
 2. soft cap: ``s = cap * tanh(s / cap)`` when ``logits_soft_cap > 0``
 3. ALiBi: ``s = s + slope[h] * (k_pos - q_pos)`` when ``alibi_slopes`` is given

@@ -48,6 +48,12 @@ class LayoutCase:
         """Whether ALiBi and sliding windows apply: a Cascade and Quest's per-head views reject or hide them."""
         return self.kind not in ("shared_prefix", "quest")
 
+    @property
+    def supports_rope(self) -> bool:
+        """Whether fused RoPE applies: a Cascade turns at positions in the whole sequence; Quest's per-head views
+        hide the positions."""
+        return self.kind != "quest"
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -220,8 +226,9 @@ def head_configs(draw, num_kv_heads=None, max_qo_heads=4):
 
 
 @st.composite
-def variants(draw, num_qo_heads, positions=True, sigmoid=True):
-    """A Variant; ``positions=False`` leaves out ALiBi, the sliding window and fused RoPE (Cascade, Quest)."""
+def variants(draw, num_qo_heads, positions=True, sigmoid=True, rope=None):
+    """A Variant; ``positions=False`` leaves out ALiBi and the sliding window (Cascade, Quest), ``rope=False``
+    fused RoPE (default: as ``positions``)."""
     kwargs = dict(causal=draw(st.booleans()))
     if draw(st.booleans()):
         kwargs["sm_scale"] = draw(st.floats(0.05, 1.0))
@@ -231,7 +238,7 @@ def variants(draw, num_qo_heads, positions=True, sigmoid=True):
         kwargs["window_left"] = draw(st.integers(0, 12))
     if positions and draw(st.booleans()):
         kwargs["alibi_slopes"] = [2.0 ** -draw(st.integers(0, 6)) for _ in range(num_qo_heads)]
-    if positions and draw(st.integers(0, 3)) == 0:
+    if (positions if rope is None else rope) and draw(st.integers(0, 3)) == 0:
         kwargs["rope_theta"] = draw(st.sampled_from([10.0, 1e4]))
         kwargs["rope_scale"] = draw(st.sampled_from([1.0, 2.5]))
     if sigmoid and draw(st.integers(0, 4)) == 0:
@@ -246,7 +253,8 @@ def problems(draw, kinds=None, sigmoid=True, head_dims=(4, 8, 16)):
     hq, hkv = draw(head_configs(case.num_kv_heads))
     # Quest's per-head views give the call G query heads and one KV head.
     call_heads = hq // hkv if case.kind == "quest" else hq
-    variant = draw(variants(call_heads, positions=case.supports_positions, sigmoid=sigmoid))
+    variant = draw(variants(call_heads, positions=case.supports_positions, sigmoid=sigmoid,
+                            rope=case.supports_rope))
     return Problem(case, hq, hkv, draw(st.sampled_from(head_dims)), variant, draw(st.integers(0, 2**31 - 1)))
 
 

@@ -32,7 +32,7 @@ DEVICE = torch.device("cpu" if tcfg.interpreting() else "cuda")
 HQ, HKV, HEAD_DIM = 4, 2, 16
 
 
-def expected_sections(work_plan, layout, alibi_slopes=None, rope_freqs=None) -> dict:
+def expected_sections(work_plan, layout, alibi_slopes=None, rope_freqs=None, rope_positions=None) -> dict:
     """Each section's content, built field by field with loops over items and rows."""
     wp = work_plan
     merge_of_partial = {}
@@ -51,13 +51,16 @@ def expected_sections(work_plan, layout, alibi_slopes=None, rope_freqs=None) -> 
                      parts_lo=wp.merge_indptr[m] if m >= 0 else 0, parts_hi=wp.merge_indptr[m + 1] if m >= 0 else 0,
                      qo_first=layout.qo_indptr[r], qo_len=layout.qo_lens[r], kv_len=layout.kv_lens[r],
                      block_start=layout.kv_indptr[r], first_slot=slots[0] if affine else -1,
-                     mask_start=layout.mask_indptr[r] if layout.custom_mask is not None else 0, row=r)
+                     mask_start=layout.mask_indptr[r] if layout.custom_mask is not None else 0, row=r,
+                     rope_offset=0 if rope_positions is None else rope_positions[1][r])
         rows.append([int(field[name]) for name in ITEM_FIELDS] + [0] * (ITEM_STRIDE - len(ITEM_FIELDS)))
     sections = {"cta_indptr": wp.cta_indptr, "items": np.array(rows, dtype=np.int32).reshape(-1),
                 "merge_partials": wp.merge_partials, "kv_indices": layout.kv_indices}
     for name, values in (("alibi", alibi_slopes), ("rope", rope_freqs)):
         if values is not None:
             sections[name] = np.asarray(values, dtype=np.float32).view(np.int32)
+    if rope_positions is not None:
+        sections["rope_q"] = np.asarray(rope_positions[0], dtype=np.int32)
     return sections
 
 
@@ -66,12 +69,13 @@ def written(buffers, expected) -> dict:
     return {name: buffers.section(name)[:len(want)].cpu().numpy() for name, want in expected.items()}
 
 
-def assert_packed(buffers, work_plan, layout, alibi_slopes=None, rope_freqs=None):
-    want = expected_sections(work_plan, layout, alibi_slopes, rope_freqs)
+def assert_packed(buffers, work_plan, layout, alibi_slopes=None, rope_freqs=None, rope_positions=None):
+    want = expected_sections(work_plan, layout, alibi_slopes, rope_freqs, rope_positions)
     for name, got in written(buffers, want).items():
         np.testing.assert_array_equal(got, want[name], err_msg=f"section {name}")
     # The numba tier uploads the same item rows, packed alone.
-    np.testing.assert_array_equal(item_table(work_plan, layout).reshape(-1), want["items"], err_msg="item_table")
+    np.testing.assert_array_equal(item_table(work_plan, layout, None if rope_positions is None else rope_positions[1])
+                                  .reshape(-1), want["items"], err_msg="item_table")
     if layout.custom_mask is not None:
         got = buffers.mask[:layout.custom_mask.size].cpu().numpy()
         np.testing.assert_array_equal(got, layout.custom_mask.view(np.uint8), err_msg="custom mask")
@@ -79,8 +83,8 @@ def assert_packed(buffers, work_plan, layout, alibi_slopes=None, rope_freqs=None
 
 @st.composite
 def planned_layouts(draw):
-    """A layout of any kind (one level of a cascade), a plan over it, and the float sections: ALiBi slopes and
-    RoPE frequencies, or none."""
+    """A layout of any kind (one level of a cascade), a plan over it, and the float sections (ALiBi slopes and
+    RoPE frequencies, or none) and RoPE's positions (a query's, a row's first slot's; or none)."""
     case = draw(layout_cases())
     levels = getattr(case.layout, "levels", (case.layout,))
     layout = levels[draw(st.integers(0, len(levels) - 1))]
@@ -89,14 +93,19 @@ def planned_layouts(draw):
     def floats(n):
         return st.one_of(st.none(), st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n))
 
-    return layout, work_plan, dict(alibi_slopes=draw(floats(HQ)), rope_freqs=draw(floats(HEAD_DIM // 2)))
+    def positions(n):
+        return st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n).map(lambda x: np.array(x, np.int64))
+
+    rope_positions = draw(st.one_of(st.none(), st.tuples(positions(layout.nnz_qo), positions(layout.num_rows))))
+    return layout, work_plan, dict(alibi_slopes=draw(floats(HQ)), rope_freqs=draw(floats(HEAD_DIM // 2)),
+                                   rope_positions=rope_positions)
 
 
 def _capacity(*planned):
     """Room for every plan in ``planned`` (same num_ctas)."""
-    needs = [Capacity.needed(wp, layout) for layout, wp, _ in planned]
+    needs = [Capacity.needed(wp, layout, sections["rope_positions"] is not None) for layout, wp, sections in planned]
     return Capacity(needs[0].num_ctas, *(max(getattr(n, f) for n in needs) for f in
-                                          ("items", "merges", "partials", "nnz", "mask", "partial_rows")))
+                                          ("items", "merges", "partials", "nnz", "mask", "partial_rows", "queries")))
 
 
 @pytest.fixture(params=["compiled", "python"])

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import bsrattn as ba
 from bsrattn.testing import assert_close
 from helpers import NUMPY_DTYPES, as_float64, check_attention, naive_merge, raw_tensors, rounded
-from strategies import EDGE_CASES, LAYOUT_STRATEGIES, paged_problem, partial_states, problems
+from strategies import EDGE_CASES, LAYOUT_STRATEGIES, Problem, named_case, paged_problem, partial_states, problems
 
 TIERS = ("reference", "numba", "torch")
 # dtypes each tier is checked in here (no GPU needed); bf16 and fp8 on the GPU tiers run in test_tiers_gpu.py.
@@ -266,6 +266,25 @@ def test_fused_rope(backend, name, rows):
         run, attn = batch_call(backend, problem, dtype, dict(num_ctas=3, fixed_split_size=5))
         check_attention(run, problem, dtype, name=f"{backend.name} {name} split plan")
         assert attn.work_plans[0].num_merges > 0, "the plan must split rows"
+
+
+SHARED_PREFIX = dict(qo_lens=[3, 1, 2], prefix_pages=[1, 0], prefix_len=7, suffix_page_tables=[[2, 5, 6], [3], [4]],
+                     suffix_lens=[9, 2, 4], page_size=4, num_pages=7)
+"""A prefix of 7 keys shared by three requests, then suffixes of 9, 2 and 4 keys with prefill rows."""
+
+
+@pytest.mark.parametrize("variant", [ba.Variant(causal=True, rope_theta=500.0),
+                                     ba.Variant(causal=True, rope_theta=1e4, rope_scale=4.0, logits_soft_cap=5.0,
+                                                sinks=SINKS)], ids=["rope", "scaled rope, soft cap, sinks"])
+def test_fused_rope_on_a_cascade(backend, variant):
+    """A Cascade's levels turn queries and keys at their positions in the whole sequence (``Cascade.rope_positions``):
+    the shared prefix's keys from 0, each suffix's after it, every query at its own position in both levels."""
+    problem = Problem(named_case("shared_prefix", SHARED_PREFIX), 4, 2, 8, variant, seed=5)
+    for dtype in backend.dtypes:
+        check_attention(attention_call(backend, problem, dtype), problem, dtype, name=f"{backend.name} cascade")
+        run, attn = batch_call(backend, problem, dtype, dict(num_ctas=3, fixed_split_size=3))
+        check_attention(run, problem, dtype, name=f"{backend.name} cascade, split plan")
+        assert len(attn.work_plans) == 2 and all(p.num_merges for p in attn.work_plans), "both levels must split"
 
 
 def test_batch_attention_cascade(backend):

@@ -211,6 +211,22 @@ def test_shared_prefix_cascade(gpu_backend):
     _compare(gpu_backend, cascade, rng.standard_normal((16, HQ, D)), k, v, "float16", variant=ba.Variant(causal=True))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fused_rope_on_a_shared_prefix_cascade(gpu_backend, dtype):
+    """Fused RoPE on a cascade: a 4000-key prefix shared by decode and prefill requests, each level turning at
+    positions in the whole sequence (the queries thousands of positions in, the suffixes' keys after the
+    prefix)."""
+    rng = _rng(9)
+    qo_lens = np.array([1, 37, 128, 5, 1, 64])
+    suffix_lens = qo_lens + rng.integers(0, 600, qo_lens.size)
+    prefix_len = 4000
+    tables, num_pages = _pages(rng, [prefix_len, *suffix_lens])
+    cascade = ba.layouts.shared_prefix(qo_lens, tables[0], prefix_len, tables[1:], suffix_lens, PAGE, num_pages)
+    k, v = _kv(rng, num_pages, PAGE)
+    _compare(gpu_backend, cascade, rng.standard_normal((int(qo_lens.sum()), HQ, D)), k, v, dtype,
+             variant=ba.Variant(causal=True, rope_theta=1e4))
+
+
 # ---- fp8 KV -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("q_dtype", ["float16", "bfloat16"])

@@ -140,14 +140,16 @@ CASES = {
         lambda: ba.BatchAttention(backend="reference").plan(ba.layouts.ragged([1], [4]), 2, 1, 7,
                                                             variant=ba.Variant(rope_theta=1e4)), ValueError,
         r"head_dim must be even, got 7"),
-    "Cascade with RoPE": (
-        lambda: attention(*arrays(), layout=ba.layouts.shared_prefix([2, 1], [0], 4, [[1], [2]], [2, 1], 4, 3),
-                          variant=ba.Variant(rope_theta=1e4)), ValueError,
-        r"Cascade does not support alibi_slopes, window_left or rope_theta"),
+    "RoPE on a Cascade row whose queries have different prefixes": (
+        lambda: attention(*arrays(nnz=2), layout=ba.Cascade((
+            ba.layouts.paged([1, 1], [[0], [1]], kv_lens=[2, 3], page_size=4, num_pages=3),
+            ba.layouts.paged([2], [[2]], kv_lens=[2], page_size=4, num_pages=3))),
+            variant=ba.Variant(rope_theta=1e4)), ValueError,
+        r"levels\[1\] row 0 holds queries with 2 and 3 keys in the levels before it"),
     "Cascade with ALiBi": (
         lambda: attention(*arrays(), layout=ba.layouts.shared_prefix([2, 1], [0], 4, [[1], [2]], [2, 1], 4, 3),
                           variant=ba.Variant(alibi_slopes=[1.0] * 4)), ValueError,
-        r"Cascade does not support alibi_slopes, window_left or rope_theta"),
+        r"Cascade does not support alibi_slopes or window_left"),
     # ---- shapes -----------------------------------------------------------------------------------------
     "q not 3-D": (lambda: attention(arrays()[0][0], *arrays()[1:]), ValueError,
                   r"q must be \[nnz_qo, num_qo_heads, head_dim\], got shape \(4, 8\)"),

@@ -54,6 +54,7 @@ from bsrattn.numba_cuda.microkernel import make_microkernel
 QO_START, QO_END, KV_START, KV_END = ITEM["qo_start"], ITEM["qo_end"], ITEM["kv_start"], ITEM["kv_end"]
 PARTIAL, QO_FIRST, QO_LEN, KV_LEN = ITEM["partial"], ITEM["qo_first"], ITEM["qo_len"], ITEM["kv_len"]
 BLOCK_START, FIRST_SLOT, MASK_START = ITEM["block_start"], ITEM["first_slot"], ITEM["mask_start"]
+ROPE_OFFSET = ITEM["rope_offset"]
 
 
 @functools.cache
@@ -69,14 +70,15 @@ def persistent_kernel(cfg: Config):
     turned_shape = (tile_kv, head_dim) if rope else (1, 1)
 
     def persistent(q, k_words, v_words, out, lse, part_o, part_lse, cta_indptr, items, kv_indices, mask,
-                   block_size, num_kv_heads, score_scale, v_scale, window_left, cap, alibi_slopes, rope_freq,
+                   block_size, num_kv_heads, score_scale, v_scale, window_left, cap, alibi_slopes, rope_freq, rope_q,
                    sigmoid_bias):
         """One block per (CTA, KV head), walking the CTA's work items.
 
         q [nnz_qo, Hq, D]; k_words, v_words [rows, row_words] (storage rows, see gather.rows_view);
         out [nnz_qo, Hq, D]; lse [nnz_qo, Hq]; part_o [P, Hq, D]; part_lse [P, Hq]; cta_indptr [num_ctas+1];
         items [W, ITEM_STRIDE] (bsrattn.items); kv_indices [nnz]; mask [sum qo_len*kv_len] (custom mask);
-        alibi_slopes [Hq]; rope_freq [D/2] (fused RoPE).
+        alibi_slopes [Hq]; rope_freq [D/2] and rope_q [nnz_qo] (fused RoPE: the frequencies, each query row's
+        position; an item's keys sit at its row's rope_offset plus their slot).
         """
         cta, kv_head, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         # Shared memory, one allocation per purpose (the simulator pays for each allocation site).
@@ -101,10 +103,10 @@ def persistent_kernel(cfg: Config):
             part_row0 = items[w, PARTIAL]
             row_q_start, qo_len, kv_len = items[w, QO_FIRST], items[w, QO_LEN], items[w, KV_LEN]
             block_start, first_slot, mask_start = items[w, BLOCK_START], items[w, FIRST_SLOT], items[w, MASK_START]
+            rope_offset = items[w, ROPE_OFFSET]
             for q_row0 in range(item_q0, item_q1, tile_rows):
                 nq = min(tile_rows, item_q1 - q_row0) * group
-                load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head, row_q_start, qo_len, kv_len,
-                             rope_freq)
+                load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head, rope_freq, rope_q)
                 resolve_rows(t, kv_rows_s, kv_indices, block_start, first_slot, block_size, num_kv_heads,
                              kv_head, kv_start, kv_end)
                 cuda.syncthreads()
@@ -118,7 +120,7 @@ def persistent_kernel(cfg: Config):
                     # Issue the next tile's loads now; they travel while this tile is computed.
                     load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows_s)
                     if rope:
-                        turn_keys(t, k_turned, k_el, kv0, kv_end, rope_freq)
+                        turn_keys(t, k_turned, k_el, kv0, kv_end, rope_offset, rope_freq)
                         cuda.syncthreads()
                     scores(t, s_tile, seen, q_tile, k_el, k_turned, nq, kv0, kv_end, q_row0, row_q_start, qo_len,
                            kv_len, kv_head, score_scale, window_left, cap, alibi_slopes, mask_start, mask)

@@ -53,15 +53,14 @@ def make_microkernel(cfg):
     neg_inf, zero, one, nan = compute(-math.inf), compute(0.0), compute(1.0), compute(math.nan)
 
     @device
-    def load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head, row_q_start, qo_len, kv_len,
-                     rope_freq):
+    def load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head, rope_freq, rope_q):
         """``q_tile [max_nq, D]`` (shared) <- the block's queries, decoded (with fused RoPE, turned at their
-        positions: one thread per dimension pair); reset the running state."""
+        positions ``rope_q``: one thread per dimension pair); reset the running state."""
         if rope:
             for e in range(t, nq * half, threads):
                 i, d = e // half, e % half
                 row, head = q_row0 + tile_query(i, group), tile_head(kv_head, group, i)
-                angle = compute(query_position(qo_len, kv_len, row - row_q_start)) * compute(rope_freq[d])
+                angle = compute(rope_q[row]) * compute(rope_freq[d])
                 lo, hi = decode_q(q[row, head, d]), decode_q(q[row, head, d + half])
                 q_tile[i, d] = lo * math.cos(angle) - hi * math.sin(angle)
                 q_tile[i, d + half] = hi * math.cos(angle) + lo * math.sin(angle)
@@ -77,14 +76,15 @@ def make_microkernel(cfg):
             acc[n] = zero
 
     @device
-    def turn_keys(t, k_turned, k_el, kv0, kv_end, rope_freq):
+    def turn_keys(t, k_turned, k_el, kv0, kv_end, rope_offset, rope_freq):
         """Fused RoPE: ``k_turned [tile_kv, D]`` (shared, compute precision) <- the gathered K tile ``k_el``
-        turned at its slots' positions, one thread per (key, dimension pair); 0 past the range."""
+        turned at its slots' positions plus ``rope_offset``, one thread per (key, dimension pair); 0 past the
+        range."""
         for e in range(t, tile_kv * half, threads):
             j, d = e // half, e % half
             lo, hi = zero, zero
             if kv0 + j < kv_end:
-                angle = compute(kv0 + j) * compute(rope_freq[d])
+                angle = compute(rope_offset + kv0 + j) * compute(rope_freq[d])
                 x, y = decode_kv(k_el[j, d]), decode_kv(k_el[j, d + half])
                 lo, hi = x * math.cos(angle) - y * math.sin(angle), y * math.cos(angle) + x * math.sin(angle)
             k_turned[j, d] = lo

@@ -39,15 +39,18 @@ class Runner:
         layout = spec.layout
         heights = work_plan.item_qo_end - work_plan.item_qo_start
         self.item_rows = int(heights.max()) if heights.size else 1
+        variant = spec.variant
+        rope_q, rope_offsets = spec.rope_frame() if variant.use_rope else ([], None)
         self._plan_args = (arrays.resident(work_plan.cta_indptr, np.int32),
-                           arrays.resident(item_table(work_plan, layout), np.int32) if work_plan.num_items else None,
+                           arrays.resident(item_table(work_plan, layout, rope_offsets), np.int32)
+                           if work_plan.num_items else None,
                            arrays.resident(layout.kv_indices, np.int32),
                            arrays.resident(layout.custom_mask if layout.custom_mask is not None else [], np.bool_))
         self._merge_args = tuple(arrays.resident(a, np.int32) for a in (
             work_plan.merge_indptr, work_plan.merge_partials, work_plan.merge_qo_start, work_plan.merge_qo_end))
-        variant = spec.variant
         self._alibi = arrays.resident(variant.alibi_slopes if variant.alibi_slopes is not None else [], np.float64)
         self._rope = arrays.resident(variant.rope_frequencies(spec.head_dim) if variant.use_rope else [], np.float64)
+        self._rope_q = arrays.resident(rope_q, np.int32)
         # The workspace serves one call at a time: a second thread's launches would overwrite partial states
         # the first call's merge has not read yet (every launch goes to the default stream, in call order).
         self._workspace = previous._workspace if previous is not None else {}
@@ -107,7 +110,7 @@ class Runner:
                 out_dev, lse_dev, part_o, part_lse, *self._plan_args,
                 spec.layout.block_size, spec.num_kv_heads, compute(spec.sm_scale * (k_scale or 1.0)),
                 compute(v_scale or 1.0), variant.window_left, compute(variant.logits_soft_cap or 1.0), self._alibi,
-                self._rope, compute(variant.sigmoid_bias or 0.0))
+                self._rope, self._rope_q, compute(variant.sigmoid_bias or 0.0))
         if work_plan.num_merges:
             merge = plan_merge_kernel(cfg.compute_name, cfg.q_format, spec.head_dim, cfg.sigmoid,
                                       config.MERGE_THREADS)

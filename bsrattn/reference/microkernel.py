@@ -57,14 +57,15 @@ def rope(x, pos, freqs):
     return np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
 
 
-def scores(q, k, q_pos, k_pos, variant, sm_scale, dtype=np.float64):
+def scores(q, k, q_pos, k_pos, variant, sm_scale, dtype=np.float64, rope_pos=None):
     """``[Hq, n, m]`` transformed scores (fused RoPE, soft cap, ALiBi) before masking, of ``q [n, Hq, D]`` and
-    ``k [m, Hkv, D]``."""
+    ``k [m, Hkv, D]``; fused RoPE turns them at ``rope_pos = (q [n], k [m])``, by default ``q_pos`` and ``k_pos``."""
     (n, num_qo_heads, head_dim), (m, num_kv_heads, _) = q.shape, k.shape
     q, k = q.astype(dtype), k.astype(dtype)
     if variant.use_rope:
         freqs = variant.rope_frequencies(head_dim)
-        q, k = rope(q, q_pos, freqs), rope(k, k_pos, freqs)
+        q_rot, k_rot = (q_pos, k_pos) if rope_pos is None else rope_pos
+        q, k = rope(q, q_rot, freqs), rope(k, k_rot, freqs)
     q = per_kv_head(q.transpose(1, 0, 2), num_kv_heads)                             # [Hkv, G*n, D]
     s = np.matmul(q, k.transpose(1, 2, 0)).reshape(num_qo_heads, n, m)
     s *= dtype(sm_scale)
@@ -83,10 +84,11 @@ def weighted_sum(w, v):
     return o.reshape(w.shape[0], w.shape[1], v.shape[2]).transpose(1, 0, 2)
 
 
-def attend(q, k, v, q_pos, k_pos, variant, sm_scale, mask=None, dtype=np.float64):
+def attend(q, k, v, q_pos, k_pos, variant, sm_scale, mask=None, dtype=np.float64, k_rope_offset=0, q_rope_pos=None):
     """Attention state of queries ``q [n, Hq, D]`` over keys ``k, v [m, Hkv, D]``.
 
-    ``q_pos [n]`` and ``k_pos [m]`` are logical positions; ``mask [n, m]`` is the custom mask or None.
+    ``q_pos [n]`` and ``k_pos [m]`` are logical positions; ``mask [n, m]`` is the custom mask or None. Fused RoPE
+    turns the queries at ``q_rope_pos [n]`` (default ``q_pos``) and the keys at ``k_pos + k_rope_offset``.
     Returns ``o [n, Hq, D]`` and ``lse [n, Hq]`` in ``dtype``.
     """
     n, num_qo_heads, _ = q.shape
@@ -100,7 +102,8 @@ def attend(q, k, v, q_pos, k_pos, variant, sm_scale, mask=None, dtype=np.float64
     span = slice(seen[0], seen[-1] + 1) if seen.size else slice(0, 0)
     k, v, k_pos, visible = k[span], v[span], k_pos[span], visible[:, span]
     with np.errstate(invalid="ignore", over="ignore"):   # non-finite inputs: see the rules above
-        s = scores(q, k, q_pos, k_pos, variant, sm_scale, dtype)
+        s = scores(q, k, q_pos, k_pos, variant, sm_scale, dtype,
+                   rope_pos=(q_pos if q_rope_pos is None else q_rope_pos, k_pos + k_rope_offset))
     # Hidden keys must not reach P @ V even as 0 * NaN: their values are replaced by 0, and a non-finite value
     # of a visible key is recorded instead, per (query, head).
     v = v.astype(dtype)
@@ -138,6 +141,9 @@ def attend_range(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
     local = np.arange(qo_start, qo_end) - int(layout.qo_indptr[r])
     q_pos = indexing.query_position(qo_len, kv_len, local)
     k_pos = np.arange(kv_start, kv_end)
+    q_rot, k_offset = q_pos, 0
+    if spec.variant.use_rope and spec.rope_positions is not None:  # a Cascade level: positions in the sequence
+        q_rot, k_offset = spec.rope_positions[0][qo_start:qo_end], int(spec.rope_positions[1][r])
     mask = layout.row_mask(r)
     if mask is not None:
         mask = mask[local][:, kv_start:kv_end]
@@ -150,5 +156,5 @@ def attend_range(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
     for t in range(0, len(q), rows):
         tile = slice(t, t + rows)
         o[tile], lse[tile] = attend(q[tile], k, v, q_pos[tile], k_pos, spec.variant, spec.sm_scale,
-                                    None if mask is None else mask[tile], dtype)
+                                    None if mask is None else mask[tile], dtype, k_offset, q_rot[tile])
     return o, lse

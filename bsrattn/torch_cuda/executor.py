@@ -10,8 +10,9 @@ num_kv_heads)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for KV
 2. **Block skipping.** Causal masking ends the KV loop after the tile's last query position, a sliding
    window starts it at the first query position minus ``window_left``; tiles outside are never loaded.
 3. The microkernel (:func:`~bsrattn.torch_cuda.microkernel.attend_range`) over the item's KV range. With fused
-   RoPE the tile's queries are loaded in two halves (dims ``[0, D/2)`` and ``[D/2, D)``) and turned at their
-   positions once per tile (:func:`~bsrattn.torch_cuda.microkernel.rope_turn`), and so is every K tile.
+   RoPE the tile's queries are loaded in two halves (dims ``[0, D/2)`` and ``[D/2, D)``) and turned once per
+   tile (:func:`~bsrattn.torch_cuda.microkernel.rope_turn`) at their positions in the plan's ``rope_q``
+   section, and every K tile at its slots' positions plus the item's ``rope_offset`` (a Cascade's later levels).
 4. An unsplit item writes the output and LSE. A split item writes its partial state to its fixed
    workspace rows, then bumps its tile's integer counter (acquire-release, GPU scope); the program whose
    bump completes the count is the last to finish, and it folds the tile's partial states **in the plan's
@@ -58,7 +59,7 @@ _PARTIAL, _MERGE = tl.constexpr(ITEM["partial"]), tl.constexpr(ITEM["merge"])
 _PARTS_LO, _PARTS_HI = tl.constexpr(ITEM["parts_lo"]), tl.constexpr(ITEM["parts_hi"])
 _QO_FIRST, _QO_LEN, _KV_LEN = tl.constexpr(ITEM["qo_first"]), tl.constexpr(ITEM["qo_len"]), tl.constexpr(ITEM["kv_len"])
 _BLOCK_START, _FIRST_SLOT = tl.constexpr(ITEM["block_start"]), tl.constexpr(ITEM["first_slot"])
-_MASK_START = tl.constexpr(ITEM["mask_start"])
+_MASK_START, _ROPE_OFFSET = tl.constexpr(ITEM["mask_start"]), tl.constexpr(ITEM["rope_offset"])
 
 
 @triton.jit
@@ -85,7 +86,8 @@ def persistent_attention(
         # ... then what the plan's buffers and the configuration fix (plan_args).
         part_o, part_lse, sync,  # [partial_rows, Hq, D] f32; [partial_rows, Hq] f32; [3*M + W, Hkv] i32
         cta_indptr, items, merge_partials,  # [num_ctas+1]; [W, ITEM_STRIDE]; [P]
-        kv_indices, mask_ptr, alibi_ptr, rope_ptr,  # [nnz] i32; [mask elements] u8; [Hq] f32; [D/2] f32
+        kv_indices, mask_ptr, alibi_ptr, rope_ptr, rope_q,  # [nnz] i32; [mask elements] u8; [Hq] f32; [D/2] f32;
+        # [nnz_qo] i32 (fused RoPE: each query row's position)
         stride_pn, stride_ph, stride_pln, stride_plh,
         window_left, num_kv_heads, merge_rows,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -124,6 +126,9 @@ def persistent_attention(
         mask_start = 0
         if CUSTOM_MASK:
             mask_start = tl.load(item + _MASK_START)
+        rope_offset = 0
+        if ROPE:
+            rope_offset = tl.load(item + _ROPE_OFFSET)
         n_rows = (qo_end - qo_start) * GROUP
         compute = True
         joins = merge >= 0
@@ -152,7 +157,8 @@ def persistent_attention(
                 in_half = valid_m[:, None] & (half[None, :] < HEAD_DIM // 2)
                 q, q2 = microkernel.rope_turn(tl.load(q_half, mask=in_half, other=0.0),
                                               tl.load(q_half + HEAD_DIM // 2 * stride_qd, mask=in_half, other=0.0),
-                                              q_pos, rope_freq, q_ptr.dtype.element_ty)
+                                              tl.load(rope_q + qo_start + rel, mask=valid_m, other=0), rope_freq,
+                                              q_ptr.dtype.element_ty)
             else:
                 q = tl.load(q_row_ptr + d[None, :] * stride_qd, mask=valid_m[:, None] & (d[None, :] < HEAD_DIM),
                             other=0.0)
@@ -161,9 +167,9 @@ def persistent_attention(
             if ALIBI:
                 slopes = tl.load(alibi_ptr + head, mask=valid_m, other=0.0)
             o, lse = microkernel.attend_range(
-                q, q2, q_pos, q_local, valid_m, slopes, rope_freq, k_head, v_head, kv_indices, row_block_start,
-                first_slot, block_size, lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd,
-                stride_vb, stride_vs, stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+                q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset, k_head, v_head, kv_indices,
+                row_block_start, first_slot, block_size, lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks,
+                stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
                 HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H,
                 BLOCK_SIZE=BLOCK_SIZE, DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP,
                 ALIBI=ALIBI, SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
@@ -223,7 +229,7 @@ def plan_args(buffers, config) -> tuple:
     ``config`` fix: the same for every call over them, and for every plan they are refilled with."""
     sec = buffers.section
     return (buffers.part_o, buffers.part_lse, buffers.sync, sec("cta_indptr"), sec("items"), sec("merge_partials"),
-            sec("kv_indices"), buffers.mask, buffers.alibi, buffers.rope, *buffers.part_o.stride()[:2],
+            sec("kv_indices"), buffers.mask, buffers.alibi, buffers.rope, sec("rope_q"), *buffers.part_o.stride()[:2],
             *buffers.part_lse.stride(),
             config.window_left, config.num_kv_heads, buffers.merge_rows)
 

@@ -150,7 +150,7 @@ def finish(acc, m_i, l_i, bad, v_scale, SIGMOID: tl.constexpr):
 
 
 @triton.jit
-def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq,
+def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
                 k_head, v_head, row_first_slot, block_size, kv_end, kv_len, mask_ptr, mask_start,
                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                 qk_scale, soft_cap, window_left, sigmoid_bias,
@@ -163,7 +163,8 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_
     An unmasked tile (``MASKED`` false) is one the caller knows to lie inside the range and to be visible
     whole to every query of the tile: no bounds, no position or custom mask are evaluated for it. A masked
     tile with ``DROP_HIDDEN`` drops the hidden keys' non-finite values (:func:`drop_hidden`). With ``ROPE`` the
-    K tile is loaded in halves and turned at its slots' positions (``q``, ``q2``: the turned query halves).
+    K tile is loaded in halves and turned at its slots' positions plus ``rope_offset`` (``q``, ``q2``: the turned
+    query halves).
     """
     d = tl.arange(0, BLOCK_D)
     k_pos = start + tl.arange(0, BLOCK_N)
@@ -176,7 +177,7 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_
             gather.load_tile(k_head, k_off, valid_n, half, stride_kd, HEAD_DIM // 2, BLOCK_H, q.dtype, MASKED),
             gather.load_tile(k_head + HEAD_DIM // 2 * stride_kd, k_off, valid_n, half, stride_kd, HEAD_DIM // 2,
                              BLOCK_H, q.dtype, MASKED),
-            k_pos, rope_freq, q.dtype)
+            k_pos + rope_offset, rope_freq, q.dtype)
     else:
         k = gather.load_tile(k_head, k_off, valid_n, d, stride_kd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
         k2 = k
@@ -198,7 +199,7 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_
 
 
 @triton.jit
-def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq,  # q [BLOCK_M, BLOCK_D]; q_pos... [BLOCK_M]
+def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,  # q [BLOCK_M, BLOCK_D]; q_pos [M]
                  k_head, v_head, kv_indices, row_block_start, row_first_slot, block_size, kv_start, kv_end, kv_len,
                  mask_ptr, mask_start,
                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
@@ -209,8 +210,9 @@ def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq,  # q [BLOCK_
                  ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PRECISION: tl.constexpr, DROP_HIDDEN: tl.constexpr):
     """State of a query tile over the row's logical KV slots ``kv_start:kv_end`` (reference ``attend_range``).
 
-    With ``ROPE``, ``q`` and ``q2`` are the tile's turned query halves ``[BLOCK_M, BLOCK_H]`` (:func:`rope_turn`)
-    and ``rope_freq [BLOCK_H]`` the frequencies; without, ``q`` is the tile and ``q2`` unused.
+    With ``ROPE``, ``q`` and ``q2`` are the tile's turned query halves ``[BLOCK_M, BLOCK_H]`` (:func:`rope_turn`),
+    ``rope_freq [BLOCK_H]`` the frequencies and ``rope_offset`` the position of the row's first slot; without,
+    ``q`` is the tile and ``q2`` unused.
 
     ``DROP_HIDDEN`` drops hidden keys' non-finite values in the masked tiles (:func:`drop_hidden`): the
     executor's second launch does, for the tiles the first one found non-finite.
@@ -238,7 +240,8 @@ def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq,  # q [BLOCK_
             ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end,
                                        block_size, BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
             acc, m_i, l_i, bad = attend_tile(
-                acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, k_head, v_head,
+                acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
+                k_head, v_head,
                 row_first_slot, block_size, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd,
                 stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=False,
                 DROP_HIDDEN=False,
@@ -250,7 +253,8 @@ def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq,  # q [BLOCK_
         ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end, block_size,
                                    BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
         acc, m_i, l_i, bad = attend_tile(
-            acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, k_head, v_head,
+            acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
+                k_head, v_head,
             row_first_slot, block_size, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd,
             stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=True,
             DROP_HIDDEN=DROP_HIDDEN,

@@ -15,6 +15,7 @@ One int32 buffer holds every plan array, at 64-byte aligned offsets:
 | ``merge_partials`` | ``[P]`` | as in :class:`~bsrattn.scheduler.WorkPlan` |
 | ``alibi`` | ``[num_qo_heads]`` | the variant's ALiBi slopes (float32 bits) |
 | ``rope`` | ``[head_dim // 2]`` | fused RoPE's frequencies, ``Variant.rope_frequencies`` (float32 bits) |
+| ``rope_q`` | ``[nnz_qo]`` | fused RoPE's query positions, ``AttentionSpec.rope_frame`` (with RoPE only) |
 | ``kv_indices`` | ``[nnz]`` | the layout's block ids |
 
 An item row carries everything the kernel needs about its block row and its merge, so a program reads one
@@ -41,7 +42,7 @@ from bsrattn.items import ITEM_STRIDE, first_slots, mask_starts, pack_items
 from bsrattn.torch_cuda.config import next_pow2
 from bsrattn.torch_cuda.arrays import canonical_device
 
-SECTIONS = ("cta_indptr", "items", "merge_partials", "alibi", "rope", "kv_indices")
+SECTIONS = ("cta_indptr", "items", "merge_partials", "alibi", "rope", "rope_q", "kv_indices")
 WORKSPACE_HEADROOM_BYTES = 64 * 2**20
 """Largest partial-state workspace sized for the worst case of a batch rather than for its first plan."""
 _ALIGN = 16  # int32 elements: 64 bytes, so every section pointer keeps Triton's 16-byte alignment
@@ -58,17 +59,18 @@ class Capacity:
     nnz: int
     mask: int
     partial_rows: int
+    queries: int = 0  # query positions of fused RoPE
 
     @classmethod
-    def needed(cls, work_plan, layout) -> "Capacity":
+    def needed(cls, work_plan, layout, rope: bool = False) -> "Capacity":
         mask = 0 if layout.custom_mask is None else layout.custom_mask.size
         return cls(work_plan.num_ctas, work_plan.num_items, work_plan.num_merges, work_plan.merge_partials.size,
-                   layout.kv_indices.size, mask, work_plan.num_partial_rows)
+                   layout.kv_indices.size, mask, work_plan.num_partial_rows, layout.nnz_qo if rope else 0)
 
     def fits(self, need: "Capacity") -> bool:
         return (self.num_ctas == need.num_ctas and self.items >= need.items and self.merges >= need.merges
                 and self.partials >= need.partials and self.nnz >= need.nnz and self.mask >= need.mask
-                and self.partial_rows >= need.partial_rows)
+                and self.partial_rows >= need.partial_rows and self.queries >= need.queries)
 
     def grown(self, work_plan, num_qo_heads: int, head_dim: int) -> "Capacity":
         """Headroom for later plans of the same batch, so a captured graph survives a change of lengths.
@@ -95,11 +97,12 @@ class Capacity:
 
     def section_sizes(self, num_qo_heads: int, head_dim: int) -> dict:
         return {"cta_indptr": self.num_ctas + 1, "items": self.items * ITEM_STRIDE, "merge_partials": self.partials,
-                "alibi": num_qo_heads, "rope": head_dim // 2, "kv_indices": self.nnz}
+                "alibi": num_qo_heads, "rope": head_dim // 2, "rope_q": self.queries, "kv_indices": self.nnz}
 
 
 # Offsets of the item-row fields, as constants of the compiled pass (as the kernel reads them).
 _NONE = np.zeros(0, dtype=np.int32)  # an empty float section (no ALiBi, no RoPE)
+_NO_POSITIONS = np.zeros(0, dtype=np.int64)  # no RoPE positions
 
 
 def _float_bits(values) -> np.ndarray:
@@ -108,7 +111,7 @@ def _float_bits(values) -> np.ndarray:
 
 
 def _pack(out,  # [plan elements] int32: the host staging of the plan sections
-          cta_at, items_at, merge_at, alibi_at, rope_at, kv_at,  # the sections' offsets in out, in SECTIONS order
+          cta_at, items_at, merge_at, alibi_at, rope_at, rope_q_at, kv_at,  # the sections' offsets, SECTIONS order
           first_slot,  # [R] int64 scratch
           cta_indptr,  # [num_ctas+1]
           item_row, item_qo_start, item_qo_end, item_kv_start, item_kv_end, item_partial,  # [W]
@@ -119,7 +122,9 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
           mask_indptr,  # [R+1] int64
           block_size,
           alibi_bits,  # [num_qo_heads] int32, the slopes' float32 bits ([0] without ALiBi)
-          rope_bits):  # [head_dim // 2] int32, RoPE's frequencies' float32 bits ([0] without RoPE)
+          rope_bits,  # [head_dim // 2] int32, RoPE's frequencies' float32 bits ([0] without RoPE)
+          rope_q,  # [nnz_qo] int64, RoPE's query positions ([0] without RoPE)
+          rope_offsets):  # [R] int64, RoPE's positions of the rows' first slots ([0] without RoPE: zeros)
     """Write every plan section into ``out`` in one pass, with explicit loops (compiled by Numba when present).
 
     The item rows are :func:`bsrattn.items.pack_items`'s, in CTA order. A row's dense path
@@ -139,6 +144,9 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
     section = out[rope_at:rope_at + rope_bits.size]
     for i in range(rope_bits.size):
         section[i] = rope_bits[i]
+    section = out[rope_q_at:rope_q_at + rope_q.size]
+    for i in range(rope_q.size):
+        section[i] = rope_q[i]
     section = out[kv_at:kv_at + kv_indices.size]
     for i in range(kv_indices.size):
         section[i] = kv_indices[i]
@@ -146,7 +154,7 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
     num_items = item_row.size
     pack_items(out[items_at:items_at + num_items * ITEM_STRIDE].reshape((num_items, ITEM_STRIDE)), item_row,
                item_qo_start, item_qo_end, item_kv_start, item_kv_end, item_partial, merge_indptr, merge_partials,
-               num_partial_rows, qo_indptr, kv_indptr, kv_lens, mask_indptr, first_slot)
+               num_partial_rows, qo_indptr, kv_indptr, kv_lens, mask_indptr, first_slot, rope_offsets)
     return any_dense
 
 
@@ -262,9 +270,9 @@ class PlanBuffers:
         mask = 0 if layout.custom_mask is None else layout.custom_mask.size
         return 4 * (self.offsets["kv_indices"][0] + layout.kv_indices.size), mask
 
-    def fill(self, work_plan, layout, alibi_slopes=None, rope_freqs=None) -> bool:
-        """Write ``work_plan``, ``layout``'s arrays, the ALiBi slopes and the RoPE frequencies in place; whether
-        some row is dense.
+    def fill(self, work_plan, layout, alibi_slopes=None, rope_freqs=None, rope_positions=None) -> bool:
+        """Write ``work_plan``, ``layout``'s arrays, the ALiBi slopes, the RoPE frequencies and positions
+        (``AttentionSpec.rope_frame``'s pair) in place; whether some row is dense.
 
         One compiled pass (:func:`_pack`) writes every section into the host staging; the bytes the plan
         uses (:meth:`used_bytes`) then go to the device in one asynchronous copy (two with a custom mask).
@@ -278,7 +286,8 @@ class PlanBuffers:
             wp.item_row, wp.item_qo_start, wp.item_qo_end,
             wp.item_kv_start, wp.item_kv_end, wp.item_partial, wp.merge_indptr, wp.merge_partials,
             wp.num_partial_rows, layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_lens,
-            mask_indptr, layout.block_size, _float_bits(alibi_slopes), _float_bits(rope_freqs))
+            mask_indptr, layout.block_size, _float_bits(alibi_slopes), _float_bits(rope_freqs),
+            *((_NO_POSITIONS, _NO_POSITIONS) if rope_positions is None else rope_positions))
         if layout.custom_mask is not None:
             self._host_mask[:layout.custom_mask.size] = layout.custom_mask.view(np.uint8)
         if self.staging is not self.raw:

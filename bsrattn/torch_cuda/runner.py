@@ -58,7 +58,8 @@ class Runner:
         if spare is None or spare.device != device:  # a runner's device was checked when it was made
             check_device(device)
         check_interpretable("q", TORCH_DTYPES.get(spec.q_dtype))  # before any buffer is allocated
-        need = Capacity.needed(work_plan, spec.layout)
+        rope = spec.variant.use_rope
+        need = Capacity.needed(work_plan, spec.layout, rope)
         shape = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
         if spare is not None and spare.fits(need, *shape):
             buffers = spare
@@ -81,8 +82,8 @@ class Runner:
         # The kernel carries the dense load path only for a plan with affine rows (LaunchConfig.dense_rows).
         with buffers.ordered():
             self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes,
-                                           spec.variant.rope_frequencies(spec.head_dim) if spec.variant.use_rope
-                                           else None)
+                                           spec.variant.rope_frequencies(spec.head_dim) if rope else None,
+                                           spec.rope_frame() if rope else None)
         self.spec = spec
         self.work_plan = work_plan
         self.device = device
@@ -250,7 +251,8 @@ def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=No
     work_plan = scheduler._plan_valid(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     shape_key = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
-    spare = None if capturing else _take_spare(Capacity.needed(work_plan, spec.layout), shape_key)
+    spare = None if capturing else _take_spare(Capacity.needed(work_plan, spec.layout, spec.variant.use_rope),
+                                               shape_key)
     runner = Runner(spec, work_plan, device, spare, headroom=False)
     try:
         return runner.run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
