@@ -11,8 +11,8 @@ from bsrattn._types import Array, DType
 from bsrattn.backends import Backend, get_backend
 from bsrattn.layout import BSRLayout, Cascade
 from bsrattn.state import merge_sinks, write_into
-from bsrattn.validation import FLOAT_DTYPES, AttentionSpec, check_array, dtype_name, make_spec, shape_of, \
-    spec_from_inputs
+from bsrattn.validation import FLOAT_DTYPES, AttentionSpec, check_array, check_rope_positions, dtype_name, \
+    make_spec, shape_of, spec_from_inputs
 from bsrattn.variant import Variant
 
 if TYPE_CHECKING:
@@ -35,12 +35,19 @@ def _level_variant(layout, level, variant):
     return layout.level_variant(level, variant) if isinstance(layout, Cascade) else variant
 
 
-def _positioned(layout, level, spec):
-    """``spec`` of level ``level`` of ``layout``; a Cascade level's with fused RoPE carries its positions in the
-    whole sequence (``Cascade.rope_positions``)."""
-    if isinstance(layout, Cascade) and spec.variant.use_rope:
-        return replace(spec, rope_positions=layout.rope_positions(level))
-    return spec
+def _positioned(layout, level, spec, rope_positions=None):
+    """``spec`` of level ``level`` of ``layout``, with fused RoPE's positions when they are not the layout's own:
+    a Cascade level's in the whole sequence (``Cascade.rope_positions``), or the caller's ``rope_positions``."""
+    if isinstance(layout, Cascade):
+        if rope_positions is not None:
+            raise ValueError("rope_positions is for a BSRLayout: a Cascade's levels turn at their positions in the "
+                             "whole sequence (Cascade.rope_positions)")
+        if spec.variant.use_rope:
+            return replace(spec, rope_positions=layout.rope_positions(level))
+        return spec
+    if rope_positions is None:
+        return spec
+    return replace(spec, rope_positions=check_rope_positions(layout, spec.variant, rope_positions))
 
 
 def _spec_args(spec) -> tuple:
@@ -71,7 +78,7 @@ def _merge_levels(backend, states, variant, out, lse, sink_rows=None):
 def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, variant: Variant | None = None,
               backend: str | Backend | None = None, kv_layout: str = "NHD", return_lse: bool = False,
               out: Array | None = None, lse: Array | None = None, k_scale: float | None = None,
-              v_scale: float | None = None) -> Array | tuple[Array, Array]:
+              v_scale: float | None = None, rope_positions: tuple | None = None) -> Array | tuple[Array, Array]:
     """Attention of every query row over its KV, for any layout.
 
     Parameters
@@ -97,6 +104,11 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
     k_scale, v_scale : float, optional
         Scales of the stored K and V, of any KV dtype (fp8's dequantisation scales): scores are
         taken with ``k * k_scale`` and outputs made of ``v * v_scale``. None: 1.
+    rope_positions : pair of int arrays, optional
+        Where fused RoPE turns the queries and keys of a BSRLayout when not at the layout's own positions
+        (FlashInfer's ``q_rope_offset``/``k_rope_offset``): ``(q_positions [nnz_qo], kv_offsets [R])``, each query
+        row's position and that of each row's first slot (slot ``j`` at ``kv_offsets[r] + j``). None: a query at
+        ``kv_len - qo_len + i``, slot ``j`` at ``j``. Only with ``variant.rope_theta``; a Cascade computes its own.
 
     Returns
     -------
@@ -111,7 +123,7 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
         not match, a scale that is not a real number.
     ValueError
         Shapes that do not fit the layout or each other, a read-only ``out``/``lse``, a torch tensor on the
-        meta device.
+        meta device, ``rope_positions`` of the wrong lengths or without fused RoPE.
 
     Notes
     -----
@@ -139,14 +151,15 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
     variant = Variant() if variant is None else variant
     run_kwargs = dict(return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
     if isinstance(layout, BSRLayout):
-        spec = spec_from_inputs(q, k, v, layout, variant, kv_layout, out=out, lse=lse, **run_kwargs)
+        spec = _positioned(layout, 0, spec_from_inputs(q, k, v, layout, variant, kv_layout, out=out, lse=lse,
+                                                       **run_kwargs), rope_positions)
         if variant.sinks is None:
             o, s = be.attention(spec, q, k, v, out=out, lse=lse, **run_kwargs)
             return (o, s) if return_lse else o
         specs = [spec]  # one level, then the sinks (_merge_levels)
     else:
         specs = [_positioned(layout, i, spec_from_inputs(q, k, v, level, _level_variant(layout, i, variant),
-                                                         kv_layout, out=out, lse=lse, **run_kwargs))
+                                                         kv_layout, out=out, lse=lse, **run_kwargs), rope_positions)
                  for i, level in enumerate(_levels(layout))]
     states = [be.attention(spec, q, k, v, out=None, lse=None, return_lse=not variant.use_sigmoid,
                            k_scale=k_scale, v_scale=v_scale) for spec in specs]
@@ -192,7 +205,7 @@ class BatchAttention:
     def plan(self, layout: BSRLayout | Cascade, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
              variant: Variant | None = None, q_dtype: DType | None = None, kv_dtype: DType | None = None,
              kv_layout: str = "NHD", num_ctas: int | None = None, fixed_split_size: int | None = None,
-             disable_split_kv: bool = False) -> None:
+             disable_split_kv: bool = False, rope_positions: tuple | None = None) -> None:
         """Compute the :class:`~bsrattn.scheduler.WorkPlan` for ``layout`` and bind it to this object.
 
         ``num_ctas`` counts CTAs **per KV head**, not in all: every KV head runs the same plan on its own
@@ -226,6 +239,9 @@ class BatchAttention:
             KV slots per chunk instead of Algorithm 1's ``L_kv`` (batch invariance).
         disable_split_kv : bool
             One work item per query tile over its whole KV.
+        rope_positions : pair of int arrays, optional
+            Fused RoPE's positions of a BSRLayout's queries and rows' first slots, as :func:`attention` takes
+            them; a step's positions, so given again at each ``plan``.
 
         Returns
         -------
@@ -239,7 +255,8 @@ class BatchAttention:
             not supported.
         ValueError
             A head count, ``head_dim`` or option out of range, ``num_qo_heads`` not a multiple of
-            ``num_kv_heads``, a variant that does not fit the layout or the heads.
+            ``num_kv_heads``, a variant that does not fit the layout or the heads, ``rope_positions`` that do
+            not fit the layout or come without fused RoPE.
         """
         variant = _PLAIN if variant is None else variant
         levels = _levels(layout)
@@ -256,7 +273,7 @@ class BatchAttention:
             else:
                 spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, level_variant, q_dtype, kv_dtype,
                                  kv_layout)
-            spec = _positioned(layout, i, spec)
+            spec = _positioned(layout, i, spec, rope_positions)
             options = dict(self.backend.plan_options(spec))
             if num_ctas is not None:
                 options.update(num_ctas=num_ctas, min_split_size=1, kv_align=1)

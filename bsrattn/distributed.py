@@ -30,8 +30,10 @@ key's global position, which a shard's logical order does not give (an interleav
 apart): the plan turns them into the local layout's custom mask over global positions
 (:meth:`Shard.attention_layout`), a ``[qo_len, local kv_len]`` bool array per request. A causal decode step
 (one query, which sees every key) needs no mask and gets none; a prefill's mask costs ``qo_len x kv_len / W``
-bytes per request, fine for chunked prefill, too much for a whole long prompt at once. ALiBi
-(``alibi_slopes``) is refused with a ``ValueError``: its bias is a function of positions that a mask cannot
+bytes per request, fine for chunked prefill, too much for a whole long prompt at once. Fused RoPE turns the
+queries and keys at their global positions (:meth:`Shard.rope_positions`), which needs each request's keys on a
+rank to be consecutive positions (``"contiguous"`` sharding); an interleaved shard is refused with a
+``ValueError``. ALiBi (``alibi_slopes``) is refused too: its bias is a function of positions that a mask cannot
 carry.
 
 **Errors on every rank.** Before any state is exchanged the ranks all-gather a small summary and compare
@@ -162,6 +164,42 @@ class Shard:
     def row_positions(self, b: int) -> np.ndarray:
         """Global positions of request ``b``'s keys on this rank, in the layout's logical order."""
         return self.positions[self.key_indptr[b]:self.key_indptr[b + 1]]
+
+    def rope_positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """Where fused RoPE turns this rank's queries and keys: at their global positions.
+
+        Returns
+        -------
+        q_positions : numpy.ndarray
+            ``[nnz_qo]`` int64: query ``i`` of request ``b`` at ``kv_lens[b] - qo_len + i`` (global ``kv_lens``).
+        kv_offsets : numpy.ndarray
+            ``[R]`` int64: the global position of each request's first key on this rank (0 for none).
+
+        Raises
+        ------
+        ValueError
+            A request whose keys on this rank are not consecutive positions (an interleaved shard's are
+            ``world_size`` apart): fused RoPE turns a row's slot ``j`` at one offset plus ``j``.
+
+        Examples
+        --------
+        >>> from bsrattn import distributed
+        >>> [p.tolist() for p in distributed.shard([1, 2], [5, 6], rank=1, world_size=2).rope_positions()]
+        [[4, 4, 5], [2, 3]]
+        """
+        lay = self.layout
+        offsets = np.zeros(lay.num_rows, dtype=np.int64)
+        for b in range(lay.num_rows):
+            pos = self.row_positions(b)
+            if pos.size and not np.array_equal(pos, pos[0] + np.arange(pos.size)):
+                at = int(np.argmax(pos != pos[0] + np.arange(pos.size)))
+                raise ValueError(f"fused RoPE (variant.rope_theta) turns a row's slot j at one offset plus j, but "
+                                 f"request {b}'s keys on this rank are not consecutive positions (slot {at} holds "
+                                 f"position {int(pos[at])} after {int(pos[at - 1])}); shard with "
+                                 f"sharding='contiguous', or rotate the keys before caching them")
+            offsets[b] = pos[0] if pos.size else 0
+        local = np.arange(lay.nnz_qo, dtype=np.int64) - np.repeat(lay.qo_indptr[:-1], lay.qo_lens)
+        return np.repeat(self.kv_lens - lay.qo_lens, lay.qo_lens) + local, offsets
 
     def attention_layout(self, variant=None) -> tuple:
         """``(layout, variant)`` this rank's tier runs: causal and window masks over global positions.
@@ -418,7 +456,8 @@ class ContextParallelAttention:
             local, local_variant = shard.attention_layout(variant)
             attention.plan(local, num_qo_heads, num_kv_heads, head_dim, variant=local_variant, q_dtype=q_dtype,
                            kv_dtype=kv_dtype, kv_layout=kv_layout, num_ctas=num_ctas,
-                           fixed_split_size=fixed_split_size)
+                           fixed_split_size=fixed_split_size,
+                           rope_positions=shard.rope_positions() if local_variant.use_rope else None)
             lay = shard.layout
             summary["fingerprint"] = dict(
                 qo_lens=tuple(lay.qo_lens.tolist()), kv_lens=tuple(shard.kv_lens.tolist()),

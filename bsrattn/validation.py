@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bsrattn.layout import BSRLayout, as_int
+from bsrattn.layout import INT32_MAX, BSRLayout, as_index_array, as_int
 from bsrattn.variant import Variant, as_real
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -221,6 +221,37 @@ def make_spec(layout, num_qo_heads, num_kv_heads, head_dim, variant=None, q_dtyp
     if kv_view not in ("NHD", "HND", "NHD3"):
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_view!r}")
     return AttentionSpec(layout, num_qo_heads, num_kv_heads, head_dim, variant, q_dtype, kv_dtype, kv_view)
+
+
+def check_rope_positions(layout: BSRLayout, variant: Variant, rope_positions) -> tuple | None:
+    """``rope_positions`` (a call's or a plan's argument) checked against ``layout`` and ``variant``.
+
+    Returns None for None, else ``(q_positions [nnz_qo], kv_offsets [R])`` as int64 arrays: where fused RoPE
+    turns each query row, and the position of each block row's first slot (slot ``j`` at ``kv_offsets[r] + j``).
+    Raises ``TypeError``/``ValueError`` naming the argument: not a pair of integer arrays, the wrong lengths, a
+    negative position or one past int32, or fused RoPE off.
+    """
+    if rope_positions is None:
+        return None
+    if not variant.use_rope:
+        raise ValueError("rope_positions is given but fused RoPE is off: set variant.rope_theta, or drop it")
+    if isinstance(rope_positions, (str, bytes)) or not hasattr(rope_positions, "__len__") or len(rope_positions) != 2:
+        raise TypeError(f"rope_positions must be a pair (q_positions [nnz_qo], kv_offsets [R]), got "
+                        f"{type(rope_positions).__name__}")
+    pair = []
+    for i, (what, want) in enumerate((("q_positions", layout.nnz_qo), ("kv_offsets", layout.num_rows))):
+        name = f"rope_positions[{i}] ({what})"
+        arr = as_index_array(name, rope_positions[i])
+        if arr.shape != (want,):
+            raise ValueError(f"{name} has shape {arr.shape}, the layout needs ({want},)")
+        if arr.size and arr.min() < 0:
+            raise ValueError(f"{name} must be non-negative, got {name}[{int(np.argmin(arr))}]={int(arr.min())}")
+        pair.append(arr.astype(np.int64))
+    ends = pair[1] + layout.kv_lens
+    if ends.size and int(ends.max()) > INT32_MAX + 1:
+        r = int(np.argmax(ends))
+        raise ValueError(f"rope_positions[1] (kv_offsets) puts row {r}'s last slot at {int(ends[r]) - 1}, past int32")
+    return tuple(pair)
 
 
 def _dtype_arg(name, dtype, supported) -> str:

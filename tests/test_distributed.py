@@ -43,7 +43,10 @@ CASES = {
     "window": ([2, 1], [11, 5], ba.Variant(causal=True, window_left=3)),
     "sigmoid": ([1, 1], [7, 3], ba.Variant(sigmoid_bias=-1.0)),
     "sinks": ([2, 1], [9, 1], ba.Variant(causal=True, sinks=(0.5, -1.0, 2.0, 0.0))),
+    "rope": ([3, 1], [10, 7], ba.Variant(causal=True, rope_theta=100.0)),
 }
+CONTIGUOUS_ONLY = {"rope"}
+"""Cases an interleaved shard refuses: fused RoPE needs each rank's keys of a request at consecutive positions."""
 TIERS = ("reference", "numba", "torch")
 
 
@@ -115,6 +118,9 @@ def _job_bad(rank, world, *, what):
         variant = ba.Variant()
     if what == "alibi":
         variant = ba.Variant(alibi_slopes=[0.5] * NUM_QO_HEADS)
+    if what == "rope_interleaved":
+        variant = ba.Variant(rope_theta=1e4)
+        part = distributed.shard(qo_lens, kv_lens, rank=rank, world_size=world, sharding="interleaved")
     if what == "rank" and last:
         part = distributed.shard(qo_lens, kv_lens, rank=0, world_size=world)
     if what == "dtype" and last:
@@ -128,7 +134,7 @@ def _job_bad(rank, world, *, what):
 
 
 JOBS = {"attention": _job_attention, "layers": _job_layers, "bad": _job_bad}
-BAD = ("overlap", "gap", "moved", "twice", "heads", "variant", "alibi", "rank", "dtype", "q_shape")
+BAD = ("overlap", "gap", "moved", "twice", "heads", "variant", "alibi", "rope_interleaved", "rank", "dtype", "q_shape")
 
 
 def _worker(rank, world, where, jobs):
@@ -178,11 +184,13 @@ def _spawn(world, jobs, where):
 def _attention_jobs(tiers, cases, dtype="float32"):
     return [(f"{tier}-{sharding}-{case}-{dtype}", "attention",
              dict(tier=tier, sharding=sharding, case=case, dtype=dtype))
-            for tier in tiers for sharding in distributed.SHARDINGS for case in cases]
+            for tier in tiers for sharding in distributed.SHARDINGS for case in cases
+            if sharding == "contiguous" or case not in CONTIGUOUS_ONLY]
 
 
 TWO_RANK_JOBS = ([(f"bad-{what}", "bad", dict(what=what)) for what in BAD]
-                 + _attention_jobs(("reference",), CASES) + _attention_jobs(("numba", "torch"), ("decode", "prefill"))
+                 + _attention_jobs(("reference",), CASES)
+                 + _attention_jobs(("numba", "torch"), ("decode", "prefill", "rope"))
                  + _attention_jobs(("reference",), ("decode", "prefill"), "float16") + [("layers", "layers", {})])
 FOUR_RANK_JOBS = ([(f"bad-{what}", "bad", dict(what=what)) for what in ("overlap", "moved", "heads", "q_shape")]
                   + _attention_jobs(("reference",), CASES))
@@ -213,7 +221,8 @@ def _one_process(world, *, tier, sharding, case, dtype):
     for part in distributed.shards(qo_lens, kv_lens, world_size=world, sharding=sharding):
         layout, local_variant = part.attention_layout(variant)
         attention = ba.BatchAttention(tier)
-        attention.plan(layout, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, variant=local_variant)
+        attention.plan(layout, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, variant=local_variant,
+                       rope_positions=part.rope_positions() if variant.use_rope else None)
         states.append(attention.run(*_on_tier(tier, q, k[part.global_slots], v[part.global_slots]),
                                     return_lse=not variant.use_sigmoid))
     if variant.use_sigmoid:
@@ -345,6 +354,8 @@ def _messages(world):
         "variant": ("ValueError", rf"rank {last} has variant=Variant\(.*logits_soft_cap=0.0.*rank 0 has "
                                   r"Variant\(.*logits_soft_cap=5.0"),
         "alibi": ("ValueError", "; ".join(rf"rank {r}: variant.alibi_slopes is set: .*" for r in range(world))),
+        "rope_interleaved": ("ValueError", rf"rank 0: fused RoPE .* request 0's keys on this rank are not consecutive "
+                                           rf"positions \(slot 1 holds position {world} after 0\)"),
         "rank": ("ValueError", rf"rank {last}: shard was made for rank 0 of world_size={world}, but this is rank "
                                rf"{last} of {world}"),
         "dtype": ("ValueError", rf"ranks disagree on q's dtype: rank {last} has float64, rank 0 has float32"),

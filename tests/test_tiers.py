@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import bsrattn as ba
 from bsrattn.testing import assert_close
-from helpers import NUMPY_DTYPES, as_float64, check_attention, naive_merge, raw_tensors, rounded
+from helpers import NUMPY_DTYPES, as_float64, check_attention, naive_merge, raw_tensors, rotate, rounded
 from strategies import EDGE_CASES, LAYOUT_STRATEGIES, Problem, named_case, paged_problem, partial_states, problems
 
 TIERS = ("reference", "numba", "torch")
@@ -285,6 +285,31 @@ def test_fused_rope_on_a_cascade(backend, variant):
         run, attn = batch_call(backend, problem, dtype, dict(num_ctas=3, fixed_split_size=3))
         check_attention(run, problem, dtype, name=f"{backend.name} cascade, split plan")
         assert len(attn.work_plans) == 2 and all(p.num_merges for p in attn.work_plans), "both levels must split"
+
+
+def test_fused_rope_at_given_positions(backend):
+    """``rope_positions`` turns a BSRLayout's queries and keys where the caller says (FlashInfer's q/k RoPE
+    offsets: here queries 8 and 9 positions past their rows' keys, where the layout's own positions put them at
+    the last keys; RoPE depends on ``q_pos - k_pos`` only): the same as rotating the inputs there first (float64,
+    from the definition) and attending without RoPE."""
+    layout = ba.layouts.ragged([3, 1], [7, 5])
+    variant = ba.Variant(causal=True, rope_theta=100.0)
+    positions = (np.array([104, 105, 106, 13]), np.array([90, 0]))
+    k_pos = np.concatenate([90 + np.arange(7), np.arange(5)])
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((4, 4, 8)), rng.standard_normal((12, 2, 8)), rng.standard_normal((12, 2, 8))
+    for dtype in backend.dtypes:
+        q_r, k_r, v_r = (x.astype(NUMPY_DTYPES[dtype]).astype(np.float64) for x in (q, k, v))
+        want = ba.attention(rotate(q_r, positions[0][:, None], variant, "float64"),
+                            rotate(k_r, k_pos[:, None], variant, "float64"), v_r, layout,
+                            variant=ba.Variant(causal=True), backend="reference")
+        args = [backend.array(x, dtype) for x in (q_r, k_r, v_r)]
+        got = ba.attention(*args, layout, variant=variant, backend=backend.name, rope_positions=positions)
+        assert_close(backend.numpy(got), want, "attention", dtype, name=f"{backend.name} {dtype} one-shot")
+        attn = ba.BatchAttention(backend.name)
+        attn.plan(layout, 4, 2, 8, variant=variant, num_ctas=3, fixed_split_size=2, rope_positions=positions)
+        assert attn.work_plans[0].num_merges > 0, "the plan must split rows"
+        assert_close(backend.numpy(attn.run(*args)), want, "attention", dtype, name=f"{backend.name} {dtype} split")
 
 
 def test_batch_attention_cascade(backend):

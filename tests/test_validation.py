@@ -146,6 +146,25 @@ CASES = {
             ba.layouts.paged([2], [[2]], kv_lens=[2], page_size=4, num_pages=3))),
             variant=ba.Variant(rope_theta=1e4)), ValueError,
         r"levels\[1\] row 0 holds queries with 2 and 3 keys in the levels before it"),
+    "rope_positions of the wrong length": (
+        lambda: attention(*arrays(), variant=ba.Variant(rope_theta=1e4), rope_positions=([0, 1], [0, 0])),
+        ValueError, r"rope_positions\[0\] \(q_positions\) has shape \(2,\), the layout needs \(3,\)"),
+    "rope_positions of floats": (
+        lambda: attention(*arrays(), variant=ba.Variant(rope_theta=1e4), rope_positions=([0, 1, 2], [0.0, 4.0])),
+        TypeError, r"rope_positions\[1\] \(kv_offsets\) must hold integers, got 0\.0"),
+    "rope_positions negative": (
+        lambda: attention(*arrays(), variant=ba.Variant(rope_theta=1e4), rope_positions=([0, -3, 2], [0, 4])),
+        ValueError, r"rope_positions\[0\] \(q_positions\) must be non-negative, got .*\[1\]=-3"),
+    "rope_positions not a pair": (
+        lambda: attention(*arrays(), variant=ba.Variant(rope_theta=1e4), rope_positions=[0, 1, 2]),
+        TypeError, r"rope_positions must be a pair \(q_positions \[nnz_qo\], kv_offsets \[R\]\), got list"),
+    "rope_positions without RoPE": (
+        lambda: attention(*arrays(), rope_positions=([0, 1, 2], [0, 4])), ValueError,
+        r"rope_positions is given but fused RoPE is off"),
+    "rope_positions on a Cascade": (
+        lambda: attention(*arrays(), layout=ba.layouts.shared_prefix([2, 1], [0], 4, [[1], [2]], [2, 1], 4, 3),
+                          variant=ba.Variant(rope_theta=1e4), rope_positions=([0, 1, 2], [0])), ValueError,
+        r"rope_positions is for a BSRLayout: a Cascade's levels turn at their positions"),
     "Cascade with ALiBi": (
         lambda: attention(*arrays(), layout=ba.layouts.shared_prefix([2, 1], [0], 4, [[1], [2]], [2, 1], 4, 3),
                           variant=ba.Variant(alibi_slopes=[1.0] * 4)), ValueError,
