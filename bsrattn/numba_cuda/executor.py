@@ -28,13 +28,14 @@ that are off compile away.
 How the kernel got here (read off the sm_90 PTX and ``ptxas -v``; GPU timings: W1 of the benchmark suite,
 queued behind a spin kernel):
 
-1. a copy that waited for each load before the next: one 8-byte load in flight per thread;
-2. two-phase copy (all of a thread's loads, then all stores): the loads unroll and travel together;
+1. ``65f9877`` a copy that waited for each load before the next: one 8-byte load in flight per thread;
+2. (2-5: ``80cc9f1``) two-phase copy (all of a thread's loads, then all stores): the loads unroll and travel together;
 3. ``while`` instead of ``range()`` in the innermost loops: 4 instructions per dot-product step, not 21;
 4. query sub-tiles sized by the plan's tallest item: decode holds 1 query row, not 16, which frees the
    shared memory for 64-key tiles (35 KB a block with fp16, head_dim 128);
 5. the gather one tile ahead through registers (this file): loads overlap the microkernel; ~250 registers
-   a thread, so 2 blocks of 128 threads per SM (``config.CTAS_PER_SM``).
+   a thread, so 2 blocks of 128 threads per SM (``config.CTAS_PER_SM``). W1 at 64 / 512 pages a head: 24.4 /
+   74.3 us (17% / 43% of the copy bandwidth; ``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations

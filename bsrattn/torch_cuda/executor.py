@@ -33,6 +33,28 @@ hands its launcher the arguments directly; ``torch.compile``'d calls go through 
 :func:`launch`. No program waits for another, so the grid needs no co-residency. Everything that changes between plans
 is read from device buffers (:mod:`~bsrattn.torch_cuda.plan_buffers`), so a CUDA graph captured around a
 launch replays correctly after the buffers are refilled.
+
+How the kernel got here (H200, graph mode; ``benchmarks/NOTES.md`` has each step's prediction and the sweeps).
+Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024 / 1 x 8192, in us:
+
+1. ``379c24e`` persistent kernel over the plan's items, merge folded in (last arrival folds): decode 48.0 /
+   78.4 us.
+2. ``4e29cf4`` decode chunks of whole KV tiles, at least 256 slots, 2 stages: 21.1 / 60.3 us; prefill 128 x 64
+   tiles, 8 warps, every tile masked: 860 / 2115 us.
+3. ``2ce0eb8`` one 64-byte item row per item: 20.5 / 61.6 us.
+4. ``967968f`` KV tiles every query of the tile sees run without masks: prefill 589 / 1469 us.
+5. ``10a010b`` block ids loaded a tile ahead (the sparse path had one tile in flight), one load path chosen per
+   row, 3 stages, 8 warps for plans with fewer busy programs than SMs, 4 CTAs per SM at prefill: decode 18.2 /
+   57.1 us, prefill 578 / 1480 us (238 / 372 TF/s).
+6. ``5cb738d`` hidden keys' non-finite values dropped in every masked tile: prefill 836 / 1773 us; ``e5321cd``
+   only in an inlined second pass over a tile that came out non-finite: 692 / 1742 us.
+7. ``91dab24`` (shipped) the second pass as a second launch of this kernel (``REDO``) over the flagged items
+   only: prefill 646 / 1584 us (213 / 347 TF/s); decode 17.3-17.7 us at W2 1 x 1024. ``824d743`` planned a
+   small decode batch for one 8-warp CTA per SM (W2 1 x 16384 55 -> 42 us) and was backed out (``75896a1``): it
+   made the grid, which a CUDA graph records, depend on the batch.
+
+Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
+per query tile).
 """
 
 from __future__ import annotations
