@@ -16,8 +16,8 @@ tolerance is the larger of 2e-2 and twice HF's own eager-vs-SDPA difference on t
 orders its sums differently in each). HF's eager attention prefills by materialising ``[B, H, S, S]`` scores
 several times over (fp16 scores, scaled and masked, their fp32 softmax, its fp16 copy: past the H200's 140 GB at
 32 x 4096), so where its prefill runs out of GPU memory its row is recorded as unavailable, and HF's spread is
-taken over the first requests of the batch that fit. Eager mode only: HF's dynamic cache grows every step, which a CUDA graph
-cannot replay.
+taken over the first requests of the batch that fit. Eager mode only: HF's dynamic cache grows every step,
+which a CUDA graph cannot replay.
 
 Run: ``python3 benchmarks/w9_transformers.py [--quick]``.
 """

@@ -198,8 +198,8 @@ class Shard:
                                  f"position {int(pos[at])} after {int(pos[at - 1])}); shard with "
                                  f"sharding='contiguous', or rotate the keys before caching them")
             offsets[b] = pos[0] if pos.size else 0
-        local = np.arange(lay.nnz_qo, dtype=np.int64) - np.repeat(lay.qo_indptr[:-1], lay.qo_lens)
-        return np.repeat(self.kv_lens - lay.qo_lens, lay.qo_lens) + local, offsets
+        # The layout's own query positions count this rank's keys; the request's count all of them.
+        return lay.query_positions + np.repeat(self.kv_lens - lay.kv_lens, lay.qo_lens), offsets
 
     def attention_layout(self, variant=None) -> tuple:
         """``(layout, variant)`` this rank's tier runs: causal and window masks over global positions.

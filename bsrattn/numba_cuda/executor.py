@@ -29,7 +29,8 @@ How the kernel got here (read off the sm_90 PTX and ``ptxas -v``; GPU timings: W
 queued behind a spin kernel):
 
 1. ``65f9877`` a copy that waited for each load before the next: one 8-byte load in flight per thread;
-2. (2-5: ``80cc9f1``) two-phase copy (all of a thread's loads, then all stores): the loads unroll and travel together;
+2. (2-5: ``80cc9f1``) two-phase copy (all of a thread's loads, then all stores): the loads unroll and travel
+   together;
 3. ``while`` instead of ``range()`` in the innermost loops: 4 instructions per dot-product step, not 21;
 4. query sub-tiles sized by the plan's tallest item: decode holds 1 query row, not 16, which frees the
    shared memory for 64-key tiles (35 KB a block with fp16, head_dim 128);

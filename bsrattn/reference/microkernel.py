@@ -142,7 +142,7 @@ def attend_range(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
     q_pos = indexing.query_position(qo_len, kv_len, local)
     k_pos = np.arange(kv_start, kv_end)
     q_rot, k_offset = q_pos, 0
-    if spec.variant.use_rope and spec.rope_positions is not None:  # a Cascade level: positions in the sequence
+    if spec.variant.use_rope and spec.rope_positions is not None:  # not the layout's own (AttentionSpec.rope_frame)
         q_rot, k_offset = spec.rope_positions[0][qo_start:qo_end], int(spec.rope_positions[1][r])
     mask = layout.row_mask(r)
     if mask is not None:
