@@ -111,6 +111,27 @@ for name in tiers.available():
     tiers.check(f"{name} lse", lse32, lse, op="lse")
 
 # %% [markdown]
+# ## Positions across levels: fused RoPE
+#
+# A level's rows do not hold a query's position: the prefix level packs all four requests' queries into one
+# row, and a suffix's slot 0 sits right after the prefix. Fused RoPE (`Variant(rope_theta=...)`) must turn each
+# query and key at its position in the whole sequence, so each level gets them from the cascade:
+# `Cascade.rope_positions(level)` gives every query's position and each level row's first-slot offset. With
+# them the cascade gives the flattened layout's answer. (ALiBi and sliding windows stay refused: they would
+# bias or mask the one prefix row differently for each of its queries.)
+
+# %%
+rope = ba.Variant(causal=True, rope_theta=1e4)
+q_pos, prefix_offsets = cascade.rope_positions(0)
+print("query positions:        ", q_pos.tolist())
+print("prefix / suffix offsets:", prefix_offsets.tolist(), cascade.rope_positions(1)[1].tolist())
+out_rope = ba.attention(q, k, v, cascade, variant=rope)
+out_rope_flat = ba.attention(q, k_slots, v_slots, flat, variant=rope)
+print("cascade vs flattened, fused RoPE:", np.abs(out_rope - out_rope_flat).max())
+for name in tiers.available():
+    tiers.check(f"{name} fused RoPE", ba.attention(q32, k32, v32, cascade, variant=rope, backend=name), out_rope)
+
+# %% [markdown]
 # ## What it costs: the bytes the cascade saves
 #
 # A decode step is memory-bound, so its floor is the KV bytes it must read. Plain paged decode reads
