@@ -197,6 +197,15 @@ def _tiny_ragged(dtype, backend, **variant):
                            num_kv_heads=8, head_dim=128, dtype=dtype, causal=True, backend=backend, **variant)
 
 
+def _tiny_paged(dtype, backend, causal):
+    import torch
+
+    i32 = dict(dtype=torch.int32, device="cuda")
+    paged_prefill_wrapper(torch.tensor([0, 1], **i32), torch.tensor([0, 1], **i32), torch.tensor([0], **i32),
+                          torch.tensor([16], **i32), num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                          dtype=dtype, causal=causal, backend=backend)
+
+
 def _tiny_sink(dtype, backend):
     import torch
 
@@ -239,6 +248,10 @@ def prebuild_steps(quick: bool, workloads=("w1", "w2", "w3", "w4", "w5", "w6", "
              ("merge_state_in_place fp16", "w5", "w5", lambda: _tiny_merge(f16)),
              ("ragged prefill bf16 fa2", "w3 w8 w10", "w3 w8 w10", lambda: _tiny_ragged(bf16, "fa2")),
              ("ragged prefill bf16 fa3", "w3 w10", "w3", lambda: _tiny_ragged(bf16, "fa3")),
+             ("paged prefill bf16 fa2, causal and not (W3's shared prefix)", "w3", "w3",
+              lambda: (_tiny_paged(bf16, "fa2", True), _tiny_paged(bf16, "fa2", False))),
+             ("paged prefill bf16 fa3", "w3", "w3", lambda: _tiny_paged(bf16, "fa3", True)),
+             ("merge_state_in_place bf16", "w3", "w3", lambda: _tiny_merge(bf16)),
              ("decode bf16 (CUDA-core)", "w2", "", lambda: _tiny_decode(bf16, bf16, False)),
              ("decode bf16 (tensor-core: fa2 prefill bf16)", "w2", "", lambda: _tiny_decode(bf16, bf16, True)),
              ("cascade as shipped fp16 (fa3)", "w5", "", lambda: _tiny_cascade_shipped(f16)),

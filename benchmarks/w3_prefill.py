@@ -1,9 +1,15 @@
-"""Workload 3: ragged (and paged) causal prefill, in TFLOP/s.
+"""Workload 3: ragged, paged and shared-prefix causal prefill, in TFLOP/s.
 
 Batch 16 with lengths constant (1024), uniform U(256, 1792) and Zipf (mean ~1024), and one request of 8192;
 32 query / 8 KV heads, head_dim 128, bf16, causal, every request's queries over its own keys
 (``qo_len == kv_len``). FLOPs count the causal triangle once: ``4 * head_dim * num_qo_heads * L (L + 1) / 2`` per
 request (two matmuls, two FLOPs per multiply-add). The bound is those FLOPs over the bf16 GEMM rate.
+
+Shared prefix (``16 x (4096 shared + 512)``, ``kv_layout=cascade``): 16 requests prefill 512 tokens each after a
+4096-token prefix they share (a system prompt already in the cache): every query sees the whole prefix, then its
+own tokens causally, ``4 * D * Hq * (512 * 4096 + 512 * 513 / 2)`` FLOPs a request. The cascade
+(``ba.layouts.shared_prefix``: one block row of all 8192 queries over the prefix, then each request's suffix)
+against the same pages as one paged layout (each request's table: the prefix's pages, then its own).
 
 Implementations, each checked against the float64 reference, then timed in graph and eager mode:
 
@@ -13,6 +19,9 @@ Implementations, each checked against the float64 reference, then timed in graph
   with ``backend="fa2"`` / ``"fa3"``.
 - ``sdpa``: PyTorch's default SDPA (cuDNN / flash) batched when the lengths are equal, else one call per request
   (outputs concatenated, timed).
+- Shared prefix: ``bsrattn-torch-cascade`` (the cascade) and ``bsrattn-torch`` (the paged layout);
+  ``flashinfer-cascade-fa2`` (two fa2 paged prefill wrappers and ``merge_state_in_place``, W5's) and
+  ``flashinfer-fa2``/``-fa3`` on the paged layout.
 
 Run: ``python3 benchmarks/w3_prefill.py [--quick]``.
 """
@@ -49,19 +58,23 @@ class Shape:
 
 GPU_SHAPE = Shape(32, 8, 128, 16, "bfloat16")
 DRY_SHAPE = Shape(4, 2, 16, 4, "float16")
-DRY_CONFIGS = ((("const", 2, 24), "ragged"), (("uniform", 3, 8, 40), "ragged"), (("zipf", 3, 16), "paged"))
+SHARED = ("shared", 16, 4096, 512)
+"""Batch, tokens of the prefix every request shares, tokens each request prefills after it."""
+DRY_CONFIGS = ((("const", 2, 24), "ragged"), (("uniform", 3, 8, 40), "ragged"), (("zipf", 3, 16), "paged"),
+               (("shared", 3, 8, 5), "cascade"))
 
 
 def configs(quick: bool) -> list:
-    """``(length spec, kv layout)`` pairs: ragged always, paged (page 16) in the full run."""
-    return [(spec, "ragged") for spec in LENGTHS] + ([] if quick else [(spec, "paged") for spec in LENGTHS])
+    """``(length spec, kv layout)`` pairs: ragged always, paged (page 16) in the full run, the shared prefix."""
+    return ([(spec, "ragged") for spec in LENGTHS] + ([] if quick else [(spec, "paged") for spec in LENGTHS])
+            + [(SHARED, "cascade")])
 
 
 def label(spec) -> str:
     """``"16 x 1024"``, ``"16 x U(256,1792)"``, ``"16 x Zipf(mean 1024)"``."""
     kind, batch, *args = spec
     text = {"const": lambda: f"{args[0]}", "uniform": lambda: f"U({args[0]},{args[1]})",
-            "zipf": lambda: f"Zipf(mean {args[0]})"}[kind]()
+            "zipf": lambda: f"Zipf(mean {args[0]})", "shared": lambda: f"({args[0]} shared + {args[1]})"}[kind]()
     return f"{batch} x {text}"
 
 
@@ -100,14 +113,19 @@ class Case:
     out: object  # [nnz, Hq, D]
     rows: np.ndarray
     expected: np.ndarray
+    paged: ba.BSRLayout | None = None  # a shared-prefix case: the cascade's pages as one paged layout
+    flops: int | None = None  # a shared-prefix case's (the others': causal_flops of lens)
+    kv_tokens: int | None = None  # a shared-prefix case's keys, the prefix once (the others': sum of lens)
 
     def check_args(self) -> dict:
         s = self.shape
         nnz = int(self.lens.sum())
         elem = self.q.element_size()
+        flops = causal_flops(self.lens, s.num_qo_heads, s.head_dim) if self.flops is None else self.flops
+        kv_tokens = nnz if self.kv_tokens is None else self.kv_tokens
         return dict(shape=(nnz, s.num_qo_heads, s.head_dim), rows=self.rows, expected=self.expected, dtype=s.dtype,
-                    flops=causal_flops(self.lens, s.num_qo_heads, s.head_dim),
-                    bytes_needed=nnz * s.head_dim * elem * 2 * (s.num_qo_heads + s.num_kv_heads))
+                    flops=flops, bytes_needed=(2 * nnz * s.num_qo_heads + 2 * kv_tokens * s.num_kv_heads) * s.head_dim
+                    * elem)
 
     def tensors(self, *arrays):
         import torch
@@ -142,18 +160,62 @@ def make_case(suite, shape: Shape, lens, kv_layout: str) -> Case:
     return Case(shape, lens, kv_layout, layout, q, k, v, k_ragged, v_ragged, out, rows, expected)
 
 
+def make_shared_case(suite, shape: Shape, spec) -> Case:
+    """``spec = ("shared", batch, prefix_len, own_len)``: the cascade over scattered pages, and the same pages as
+    one paged layout."""
+    import torch
+
+    _, batch, prefix_len, own = spec
+    page = shape.page_size
+    if prefix_len % page:
+        raise ValueError(f"prefix_len={prefix_len} must be a multiple of the page size {page}: each request's own "
+                         f"tokens start on a fresh page in both layouts")
+    n_prefix, n_own = prefix_len // page, -(-own // page)
+    perm = suite.rng.permutation(n_prefix + batch * n_own)
+    prefix_pages, own_tables = perm[:n_prefix], perm[n_prefix:].reshape(batch, n_own)
+    lens = np.full(batch, own, dtype=np.int64)
+    cascade = ba.layouts.shared_prefix(lens, prefix_pages, prefix_len, own_tables, lens, page, perm.size)
+    paged = ba.layouts.paged(lens, [np.concatenate([prefix_pages, t]) for t in own_tables], lens + prefix_len, page,
+                             perm.size)
+    kw = dict(dtype=getattr(torch, shape.dtype), device=suite.device)
+    q = torch.randn(int(lens.sum()), shape.num_qo_heads, shape.head_dim, **kw)
+    pool = (perm.size, page, shape.num_kv_heads, shape.head_dim)
+    k, v = torch.randn(pool, **kw), torch.randn(pool, **kw)
+    # The prefix is shared, so many rows cost little more than one to check.
+    rows = correctness.sample_rows(paged, shape.num_kv_heads, shape.head_dim, causal=True, max_rows=16)
+    expected = correctness.reference_rows(paged, q, k, v, rows, causal=True)
+    out = torch.full(q.shape, float("nan"), **kw)
+    flops = 4 * shape.head_dim * shape.num_qo_heads * batch * (own * prefix_len + own * (own + 1) // 2)
+    return Case(shape, lens, "cascade", cascade, q, k, v, None, None, out, rows, expected, paged=paged, flops=flops,
+                kv_tokens=prefix_len + batch * own)
+
+
+def _levels(case, layouts) -> list:
+    """``(qo_indptr, kv_indptr, kv_indices, kv_last_len)`` int32 tensors per layout (FlashInfer's plan inputs)."""
+    return [case.tensors(lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_len) for lay in layouts]
+
+
+def build_flashinfer_cascade(case):
+    import torch
+
+    s = case.shape
+    run = baselines.cascade_fa2(_levels(case, case.layout.levels), num_qo_heads=s.num_qo_heads,
+                                num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, page_size=s.page_size,
+                                dtype=getattr(torch, s.dtype))
+    return lambda: run(case.q, (case.k, case.v))
+
+
 def build_flashinfer(case, backend: str):
     import torch
 
     s = case.shape
     heads = dict(num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                  dtype=getattr(torch, s.dtype), causal=True, backend=backend)
-    lay = case.layout
+    lay = case.layout if case.paged is None else case.paged
     if case.kv_layout == "ragged":
         wrapper = baselines.ragged_prefill_wrapper(*case.tensors(lay.qo_indptr, lay.kv_indptr), **heads)
         return lambda: wrapper.run(case.q, case.k, case.v, out=case.out)
-    wrapper = baselines.paged_prefill_wrapper(*case.tensors(lay.qo_indptr, lay.kv_indptr, lay.kv_indices,
-                                                            lay.kv_last_len), page_size=s.page_size, **heads)
+    wrapper = baselines.paged_prefill_wrapper(*_levels(case, [lay])[0], page_size=s.page_size, **heads)
     return lambda: wrapper.run(case.q, (case.k, case.v), out=case.out)
 
 
@@ -193,12 +255,18 @@ def run(suite) -> None:
     shape = DRY_SHAPE if suite.dry_run else GPU_SHAPE
     items = DRY_CONFIGS if suite.dry_run else configs(suite.quick)
     for (spec, kv_layout), config in suite.configs(items, lambda c: {"lengths": label(c[0]), "kv_layout": c[1]}):
-        case = make_case(suite, shape, lengths(suite.rng, spec), kv_layout)
+        case = (make_shared_case(suite, shape, spec) if kv_layout == "cascade" else
+                make_case(suite, shape, lengths(suite.rng, spec), kv_layout))
         plan = dict(num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                     variant=ba.Variant(causal=True), q_dtype=shape.dtype, kv_dtype=shape.dtype)
         tier = "reference" if suite.dry_run else "torch"
-        harness.measure_bsrattn(suite, config, f"bsrattn-{tier}", tier, case.layout, case.q, case.k, case.v, plan=plan,
-                                out=case.out, **case.check_args())
+        if case.paged is not None:
+            harness.measure_bsrattn(suite, config, f"bsrattn-{tier}-cascade", tier, case.layout, case.q, case.k,
+                                    case.v, plan=plan, out=case.out, **case.check_args())
+            suite.measure(config, "flashinfer-cascade-fa2", partial(build_flashinfer_cascade, case), needs_cuda=True,
+                          **case.check_args())
+        harness.measure_bsrattn(suite, config, f"bsrattn-{tier}", tier, case.layout if case.paged is None else
+                                case.paged, case.q, case.k, case.v, plan=plan, out=case.out, **case.check_args())
         for backend in ("fa2", "fa3"):
             suite.measure(config, f"flashinfer-{backend}", partial(build_flashinfer, case, backend), out=case.out,
                           needs_cuda=True, **case.check_args())

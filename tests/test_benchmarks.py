@@ -264,8 +264,10 @@ def test_prebuild_builds_what_each_run_needs():
     assert quick[:2] == ["decode fp16 (CUDA-core)", "ragged prefill bf16 fa2"]
     assert "ragged prefill bf16 fa2, RoPE" in quick and "attention sinks bf16 fa3" not in quick
     assert set(quick) < set(full) and "attention sinks bf16 fa3" in full
-    assert [name for name, _ in baselines.prebuild_steps(True, ["w3"])] == ["ragged prefill bf16 fa2",
-                                                                            "ragged prefill bf16 fa3"]
+    assert [name for name, _ in baselines.prebuild_steps(True, ["w3"])] == [
+        "ragged prefill bf16 fa2", "ragged prefill bf16 fa3",
+        "paged prefill bf16 fa2, causal and not (W3's shared prefix)", "paged prefill bf16 fa3",
+        "merge_state_in_place bf16"]
 
 
 # ---- plots and report from JSON alone ---------------------------------------------------------------------
