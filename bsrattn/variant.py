@@ -74,8 +74,11 @@ def _per_head(name: str, values) -> tuple:
         arr = None
     if arr is None or arr.dtype.kind not in "iuf":
         raise TypeError(f"{name} must be a sequence of real numbers, got {values!r}")
-    if arr.ndim != 1 or not np.isfinite(arr).all():
+    if arr.ndim != 1:
         raise ValueError(f"{name} must be a 1-D finite [num_qo_heads] sequence, got shape {arr.shape}")
+    if not np.isfinite(arr).all():
+        at = int(np.argmax(~np.isfinite(arr)))
+        raise ValueError(f"{name} must be a 1-D finite [num_qo_heads] sequence, got {name}[{at}]={arr[at]}")
     return tuple(float(x) for x in arr)
 
 

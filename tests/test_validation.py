@@ -122,7 +122,7 @@ CASES = {
         lambda: attention(*arrays(), variant=ba.Variant(sinks=[0.5, 1.0])), ValueError,
         r"sinks has 2 entries, num_qo_heads is 4"),
     "a NaN sink": (lambda: ba.Variant(sinks=[0.0, float("nan")]), ValueError,
-                   r"sinks must be a 1-D finite \[num_qo_heads\] sequence"),
+                   r"sinks must be a 1-D finite \[num_qo_heads\] sequence, got sinks\[1\]=nan"),
     "sinks with FlashSigmoid": (lambda: ba.Variant(sinks=[0.0], sigmoid_bias=0.0), ValueError,
                                 r"sinks join a softmax's denominator; FlashSigmoid \(sigmoid_bias\) has none"),
     "alibi_slopes for the wrong head count": (
