@@ -148,7 +148,7 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
     ((3, 4, 8), (3, 4))
     """
     be = get_backend(backend)
-    variant = Variant() if variant is None else variant
+    variant = _PLAIN if variant is None else variant
     run_kwargs = dict(return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
     if isinstance(layout, BSRLayout):
         spec = _positioned(layout, 0, spec_from_inputs(q, k, v, layout, variant, kv_layout, out=out, lse=lse,

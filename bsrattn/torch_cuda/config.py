@@ -25,6 +25,7 @@ exactly at that count, without these two bounds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from dataclasses import astuple, dataclass, fields
@@ -54,8 +55,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@functools.cache
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read once: the variable must
+    be set before Triton is imported, so it cannot change in a process; a call reads it several times."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
