@@ -110,6 +110,14 @@ def _float_bits(values) -> np.ndarray:
     return _NONE if values is None else np.asarray(values, dtype=np.float32).view(np.int32)
 
 
+def _put(out, at, values):
+    """``out[at:at + values.size] <- values``, as a loop over a section view: Numba's slice assignment does not
+    vectorise, this does (memcpy speed)."""
+    section = out[at:at + values.size]
+    for i in range(values.size):
+        section[i] = values[i]
+
+
 def _pack(out,  # [plan elements] int32: the host staging of the plan sections
           cta_at, items_at, merge_at, alibi_at, rope_at, rope_q_at, kv_at,  # the sections' offsets, SECTIONS order
           first_slot,  # [R] int64 scratch
@@ -131,25 +139,12 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
     (:func:`~bsrattn.items.first_slots`) is chosen per row and read at run time, so a captured CUDA graph
     stays valid whichever rows a later plan makes dense. Returns whether some row is.
     """
-    # Copies are loops over section views: Numba's slice assignment does not vectorise, these do (memcpy speed).
-    section = out[cta_at:cta_at + cta_indptr.size]
-    for i in range(cta_indptr.size):
-        section[i] = cta_indptr[i]
-    section = out[merge_at:merge_at + merge_partials.size]
-    for i in range(merge_partials.size):
-        section[i] = merge_partials[i]
-    section = out[alibi_at:alibi_at + alibi_bits.size]
-    for i in range(alibi_bits.size):
-        section[i] = alibi_bits[i]
-    section = out[rope_at:rope_at + rope_bits.size]
-    for i in range(rope_bits.size):
-        section[i] = rope_bits[i]
-    section = out[rope_q_at:rope_q_at + rope_q.size]
-    for i in range(rope_q.size):
-        section[i] = rope_q[i]
-    section = out[kv_at:kv_at + kv_indices.size]
-    for i in range(kv_indices.size):
-        section[i] = kv_indices[i]
+    _put(out, cta_at, cta_indptr)
+    _put(out, merge_at, merge_partials)
+    _put(out, alibi_at, alibi_bits)
+    _put(out, rope_at, rope_bits)
+    _put(out, rope_q_at, rope_q)
+    _put(out, kv_at, kv_indices)
     any_dense = first_slots(first_slot, kv_indptr, kv_indices, block_size)
     num_items = item_row.size
     pack_items(out[items_at:items_at + num_items * ITEM_STRIDE].reshape((num_items, ITEM_STRIDE)), item_row,
@@ -158,7 +153,7 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
     return any_dense
 
 
-_packer = Compiled(_pack, first_slots, pack_items)
+_packer = Compiled(_pack, _put, first_slots, pack_items)
 
 
 class PlanBuffers:
