@@ -31,6 +31,8 @@ CONFIGS = {
     "decode fp16 + fp8-e5m2 KV, tree mask, window, HND, d64, M32": ("float16", "float8_e5m2", 64, 4, 8, "HND", 16,
                                                                    dict(custom_mask=True, window_left=64)),
     "prefill bf16, ragged 3-D, causal, M128": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1, dict(causal=True)),
+    "prefill bf16, ragged 3-D, causal, M128, a plan without merges": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1,
+                                                                     dict(causal=True, merges=False)),
     "prefill fp16, sigmoid, window, G1, d64, no lse": ("float16", "float16", 64, 1, 128, "NHD3", 1,
                                                        dict(sigmoid=True, window_left=256, store_lse=False)),
     "prefill fp32 (IEEE dots), causal": ("float32", "float32", 128, 4, 32, "NHD", 16, dict(causal=True)),
@@ -64,7 +66,8 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
         kv_view=view, causal=flags.get("causal", False), window_left=flags.get("window_left", -1),
         soft_cap=flags.get("soft_cap", False), alibi=flags.get("alibi", False), sigmoid=flags.get("sigmoid", False),
         rope=flags.get("rope", False), custom_mask=flags.get("custom_mask", False),
-        store_lse=flags.get("store_lse", not flags.get("sigmoid")), dense_rows=flags.get("dense_rows", True))
+        store_lse=flags.get("store_lse", not flags.get("sigmoid")), dense_rows=flags.get("dense_rows", True),
+        merges=flags.get("merges", True))
     kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
                 "NHD3": (blocks, hkv, head_dim)}[view]
     q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))
@@ -108,7 +111,25 @@ def _compile(fn, args, kwargs):
     waits = [int(n) for n in re.findall(r"async_wait[^\n]*\{num = (\d+) : i32\}", ttgir)]
     return dict(stages=sorted(kernel.asm.keys()), shared=kernel.metadata.shared, num_stages=options.get("num_stages"),
                 async_copies=ttgir.count("async_copy_global_to_local"), fp_atomics=ttgir.count("atomic_rmw fadd"),
-                groups_in_flight=max(waits, default=0))
+                groups_in_flight=max(waits, default=0), **_resources(kernel.asm.get("cubin")))
+
+
+def _resources(cubin) -> dict:
+    """``registers`` and ``stack`` bytes per thread of the cubin, from the ``cuobjdump`` Triton bundles (empty
+    when it is not there)."""
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if cubin is None or not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        dump = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", dump)
+    return dict(registers=int(found[1]), stack=int(found[2])) if found else {}
 
 
 def _worker(names):
@@ -177,6 +198,11 @@ def test_attention_kernel_compiles_for_sm90():
             assert result["groups_in_flight"] >= 2, (name, result)
         assert result["fp_atomics"] == 0, (name, "no floating-point atomics anywhere")
         assert result["shared"] <= 227 * 1024, (name, result)
+    # A plan that splits no row compiles the kernel without merges, which keeps a prefill tile's state in
+    # registers: no stack (with merges, the same tile spills).
+    spill_free = results["prefill bf16, ragged 3-D, causal, M128, a plan without merges"]
+    if "stack" in spill_free:
+        assert spill_free["stack"] == 0, spill_free
 
 
 def test_merge_kernels_compile_for_sm90():

@@ -342,6 +342,32 @@ def test_a_causal_mask_that_hides_no_key_is_left_out_of_the_launch():
     assert attn._runners[0].launch_config("float32", "NHD", True).hidden_keys
 
 
+def test_a_prefill_plan_that_splits_no_row_runs_the_kernel_without_merges():
+    """A prefill with at least as many query tiles as CTAs splits no row, and its launch leaves the merges out of
+    the kernel (fewer live values: no spills on sm_90, test_torch_compile.py); the answer is the same as a split
+    plan's through the full kernel. A graph captured on the merge-free kernel is warned about when a re-plan
+    splits rows, and only then."""
+    rng = np.random.default_rng(15)
+    causal = ba.Variant(causal=True)
+    problem = paged_problem(rng, variant=causal, qo_lens=(200, 130, 150), kv_lens=(210, 130, 170))
+    run, attn = _batch(problem)
+    check_attention(run, problem, "float32", name="prefill, no merges")
+    assert attn.work_plans[0].num_merges == 0
+    assert not attn._runners[0].launch_config("float32", "NHD", True).merges
+    run, split = _batch(problem, num_ctas=3, fixed_split_size=16)
+    check_attention(run, problem, "float32", name="prefill, split")
+    assert split.work_plans[0].num_merges > 0 and split._runners[0].launch_config("float32", "NHD", True).merges
+    buffers = attn._runners[0].buffers
+    buffers.captured, buffers.captured_without_merges = True, True  # as a capture of the merge-free launch sets
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attn.plan(problem.case.layout, 4, 2, 16, variant=causal)  # splits nothing: the graph still fits
+    with pytest.warns(RuntimeWarning, match="a kernel without merges, and the new plan splits rows"):
+        attn.plan(problem.case.layout, 4, 2, 16, variant=causal, num_ctas=attn.work_plans[0].num_ctas,
+                  fixed_split_size=128)
+    assert attn._runners[0].buffers is buffers
+
+
 def test_same_plan_same_bits():
     rng = np.random.default_rng(10)
     layout = paged_case(rng)

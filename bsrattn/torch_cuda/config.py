@@ -6,7 +6,8 @@ Two shapes of work, one kernel:
   times the query rows (``tile_q * group_size``), padded to 16 for ``tl.dot``. The kernel is
   bandwidth-bound: the plan splits the KV so that every SM streams.
 - **prefill** (long query rows): ``BLOCK_M = 128`` query rows x heads amortise each KV tile over many
-  queries; few or no splits.
+  queries; no splits when there are at least as many query tiles as CTAs, and then a kernel without the
+  merges (``LaunchConfig.merges``), which keeps a tile's state in registers instead of spilling it.
 
 ``num_ctas`` is CTAs per KV head (the scheduler's unit): the launch is ``num_ctas x num_kv_heads``
 programs, a fixed number of waves of the GPU, read from the device's SM count: two CTAs per SM at decode
@@ -30,6 +31,8 @@ import os
 import threading
 from dataclasses import astuple, dataclass, fields
 from typing import NamedTuple
+
+import numpy as np
 
 DECODE_ROWS = 64
 """A tile whose query rows x group heads fit in this many rows is run with the decode shapes."""
@@ -141,7 +144,13 @@ def plan_options(spec, device=None) -> dict:
         block_n = tiles(m, spec.head_dim, spec.q_dtype).block_n
         return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=DECODE_MIN_SPLIT,
                     kv_align=block_n)
-    return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=1, kv_align=1)
+    tile_q = max(1, m // spec.group_size)
+    # As many query tiles as CTAs or more: every CTA has whole tiles to run, so no row is split (a chunk as long
+    # as the longest row), and the kernel carries no merges (LaunchConfig.merges). Fewer tiles (a short prefill
+    # over a long cache): the rows are split so that every CTA streams.
+    query_tiles = int(np.sum(-(-qo // tile_q)))
+    min_split = int(spec.layout.kv_lens.max(initial=1)) if query_tiles >= ctas else 1
+    return dict(num_ctas=ctas, tile_q=tile_q, min_split_size=max(1, min_split), kv_align=1)
 
 
 KV_VIEWS = ("NHD", "HND", "NHD3")
@@ -176,6 +185,11 @@ class LaunchConfig:
     dense_rows: bool
     """Whether the kernel carries the dense (affine) load path: when some row of the plan is affine. The
     sparse path serves every row, so a graph captured without it stays correct when later plans have some."""
+    merges: bool = True
+    """Whether the kernel carries the split rows' partial-state stores and merges: when the plan splits some row.
+    Without them the kernel keeps fewer values live (a prefill tile's 255 registers and 80 bytes of stack become
+    251 registers and none on sm_90), but runs only plans that split nothing: a graph captured without them must
+    be recaptured for a plan that splits (the runner warns)."""
 
     @property
     def hidden_keys(self) -> bool:

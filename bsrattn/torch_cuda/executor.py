@@ -48,10 +48,14 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
    57.1 us, prefill 578 / 1480 us (238 / 372 TF/s).
 6. ``5cb738d`` hidden keys' non-finite values dropped in every masked tile: prefill 836 / 1773 us; ``e5321cd``
    only in an inlined second pass over a tile that came out non-finite: 692 / 1742 us.
-7. ``91dab24`` (shipped) the second pass as a second launch of this kernel (``REDO``) over the flagged items
+7. ``91dab24`` the second pass as a second launch of this kernel (``REDO``) over the flagged items
    only: prefill 646 / 1584 us (213 / 347 TF/s); decode 17.3-17.7 us at W2 1 x 1024. ``824d743`` planned a
    small decode batch for one 8-warp CTA per SM (W2 1 x 16384 55 -> 42 us) and was backed out (``75896a1``): it
    made the grid, which a CUDA graph records, depend on the batch.
+
+8. A plan that splits no row runs the kernel without merges (``MERGES``, ``LaunchConfig.merges``), and a
+   prefill with as many query tiles as CTAs splits no row: the prefill tile's 255 registers and 80 bytes of
+   stack become 252 and none on sm_90 (the merge's fold was the high-water mark). Not yet measured on the H200.
 
 Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
 per query tile).
@@ -116,7 +120,8 @@ def persistent_attention(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr,
-        STORE_LSE: tl.constexpr, DENSE_ROWS: tl.constexpr, PRECISION: tl.constexpr, REDO: tl.constexpr):
+        STORE_LSE: tl.constexpr, DENSE_ROWS: tl.constexpr, MERGES: tl.constexpr, PRECISION: tl.constexpr,
+        REDO: tl.constexpr):
     # sync, in blocks of merge_rows rows (the buffers' merge capacity): the first counts a merge's partial
     # states as they land, the second the same in the second launch, the third flags the merges whose output
     # came out non-finite; then one row per item flags such items.
@@ -138,8 +143,11 @@ def persistent_attention(
         qo_end = tl.load(item + _QO_END)
         kv_start = tl.load(item + _KV_START)
         kv_end = tl.load(item + _KV_END)
-        partial = tl.load(item + _PARTIAL)
-        merge = tl.load(item + _MERGE)
+        partial = -1
+        merge = -1
+        if MERGES:
+            partial = tl.load(item + _PARTIAL)
+            merge = tl.load(item + _MERGE)
         qo_first = tl.load(item + _QO_FIRST)
         qo_len = tl.load(item + _QO_LEN)
         kv_len = tl.load(item + _KV_LEN)
@@ -156,7 +164,8 @@ def persistent_attention(
         joins = merge >= 0
         if REDO:
             compute = tl.load(item_flags + w * num_kv_heads + kv_head) != 0
-            joins = (merge >= 0) & (tl.load(merge_flags + tl.maximum(merge, 0) * num_kv_heads + kv_head) != 0)
+            if MERGES:
+                joins = (merge >= 0) & (tl.load(merge_flags + tl.maximum(merge, 0) * num_kv_heads + kv_head) != 0)
             n_rows = tl.where(compute, n_rows, 0)
         for m0 in range(0, n_rows, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
@@ -202,10 +211,10 @@ def persistent_attention(
             if partial < 0:
                 _store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
                              stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
-            else:
+            elif MERGES:
                 _store_state(part_o, part_lse, partial + rel, head, valid_m, d, o, lse, stride_pn, stride_ph, 1,
                              stride_pln, stride_plh, HEAD_DIM, not SIGMOID)
-        if joins:
+        if MERGES and joins:
             n_rows = (qo_end - qo_start) * GROUP
             parts_lo = tl.load(item + _PARTS_LO)
             parts_hi = tl.load(item + _PARTS_HI)
@@ -263,7 +272,7 @@ def constexprs(config, q_dtype, redo: bool = False) -> dict:
                 BLOCK_H=max(16, config.block_d // 2), CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0,
                 SOFT_CAP=config.soft_cap, ALIBI=config.alibi, SIGMOID=config.sigmoid, ROPE=config.rope,
                 CUSTOM_MASK=config.custom_mask,
-                STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
+                STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows, MERGES=config.merges,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32", REDO=redo)
 
 

@@ -212,6 +212,7 @@ class PlanBuffers:
         self.no_lse = torch.empty((1, 1), dtype=torch.float32, device=device)
         self.launches = {}  # LaunchConfig -> the executor's Launch bound to these buffers (runner.py)
         self.captured = False  # whether a CUDA graph capture has launched on these buffers (runner.py)
+        self.captured_without_merges = False  # whether such a launch's kernel carried no merges (runner.py)
         self._turn = threading.Lock()
         self._stream = None  # the CUDA stream of the last launch or refill
 

@@ -7,8 +7,9 @@ the same. What a graph does record, and what must therefore not change between t
 the launch configuration (:class:`~bsrattn.torch_cuda.config.LaunchConfig`: tile sizes from ``tile_q``,
 the variant, dtypes, the KV view) and the tensors passed to ``run``. A re-plan over buffers that a launch
 inside a graph capture used warns when it changes the variant, the block size or whether a custom mask is
-read (a plan for another grid never fits the buffers: it gets new ones, and a warning too); tile shapes may
-change, since the kernel runs any plan of its buffers correctly with any. ``run`` allocates nothing but the
+read, or splits rows when the captured kernel carries no merges (``LaunchConfig.merges``; a plan for another
+grid never fits the buffers: it gets new ones, and a warning too); tile shapes may change, since the kernel
+runs any plan of its buffers correctly with any. ``run`` allocates nothing but the
 outputs it is not given, and never synchronises with the host. The refill is an asynchronous copy on the
 current stream at ``plan`` time: run on that stream (or order the two), as with any stream-ordered write.
 One runner's workspace serves one launch at a time: calls from several threads or CUDA streams take turns
@@ -75,6 +76,8 @@ class Runner:
         if replan and buffers is spare and buffers.captured:
             changed = [name for name, was, now in zip(_RECORDED, _recorded(previous.spec),
                                                       _recorded(spec)) if was != now]
+            if buffers.captured_without_merges and work_plan.num_merges:
+                changed.append("a kernel without merges, and the new plan splits rows")
             if changed:
                 warnings.warn(f"a CUDA graph was captured on these buffers, and the new plan changes what it "
                               f"recorded ({', '.join(changed)}); its replays would run the old plan's launch on "
@@ -108,7 +111,7 @@ class Runner:
                 kv_view=kv_view, causal=_causal_hides_keys(spec), window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
                 sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
-                store_lse=store_lse, dense_rows=self.dense_rows)
+                store_lse=store_lse, dense_rows=self.dense_rows, merges=self.work_plan.num_merges > 0)
         return self._configs[key]
 
     def _launch(self, key) -> executor.Launch:
@@ -155,8 +158,9 @@ class Runner:
                                             b.sync, b.sections, self.launch_config(*key).to_list(), list(scalars))
         else:
             launch = self._launch(key)
-            if not b.captured and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 b.captured = True  # a later re-plan checks it keeps what the graph recorded
+                b.captured_without_merges |= not launch.config.merges
             with b.ordered():
                 launch(q_t, k_t, v_t, out_t, lse_arg, scalars)
         if as_numpy:
