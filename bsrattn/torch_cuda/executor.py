@@ -48,10 +48,12 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
    57.1 us, prefill 578 / 1480 us (238 / 372 TF/s).
 6. ``5cb738d`` hidden keys' non-finite values dropped in every masked tile: prefill 836 / 1773 us; ``e5321cd``
    only in an inlined second pass over a tile that came out non-finite: 692 / 1742 us.
-7. ``91dab24`` (shipped) the second pass as a second launch of this kernel (``REDO``) over the flagged items
+7. ``91dab24`` the second pass as a second launch of this kernel (``REDO``) over the flagged items
    only: prefill 646 / 1584 us (213 / 347 TF/s); decode 17.3-17.7 us at W2 1 x 1024. ``824d743`` planned a
    small decode batch for one 8-warp CTA per SM (W2 1 x 16384 55 -> 42 us) and was backed out (``75896a1``): it
    made the grid, which a CUDA graph records, depend on the batch.
+8. A small decode batch balanced over one CTA per SM inside the usual grid (``scheduler.plan``'s
+   ``busy_ctas``), the other CTAs empty, 8 warps. Not yet measured on the H200.
 
 Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
 per query tile).
