@@ -276,7 +276,7 @@ class BatchAttention:
             spec = _positioned(layout, i, spec, rope_positions)
             options = dict(self.backend.plan_options(spec))
             if num_ctas is not None:
-                options.update(num_ctas=num_ctas, min_split_size=1, kv_align=1)
+                options.update(num_ctas=num_ctas, min_split_size=1, kv_align=1, busy_ctas=num_ctas)
             # A layout's lengths were checked when it was built: only the options are checked here.
             work_plan = scheduler._plan_valid(level.qo_lens, level.kv_lens, fixed_split_size=fixed_split_size,
                                               disable_split_kv=disable_split_kv, **options)

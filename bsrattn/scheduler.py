@@ -15,7 +15,7 @@ re-exported here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -376,7 +376,8 @@ def _split(fixed_split_size, disable_split_kv) -> int:
 
 
 def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
-         disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1) -> WorkPlan:
+         disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1,
+         busy_ctas: int | None = None) -> WorkPlan:
     """FlashInfer's Algorithm 1: KV chunking, longest-first, least-loaded CTA, fixed merge order.
 
     Parameters
@@ -395,6 +396,10 @@ def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int =
         One item per query tile, whole KV.
     min_split_size, kv_align : int
         Lower bound on ``L_kv`` and the multiple it is rounded up to (a kernel's KV tile).
+    busy_ctas : int, optional
+        Balance over the first ``busy_ctas`` of the ``num_ctas`` CTAs only; the others get no item. A kernel
+        whose grid is fixed at ``num_ctas`` (a captured CUDA graph records it) can so run a small batch on fewer,
+        larger CTAs. Default: all ``num_ctas``.
 
     Returns
     -------
@@ -407,7 +412,7 @@ def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int =
         A length or an option that is not an integer (Python or NumPy; a float, even ``2.0``, or a bool).
     ValueError
         A negative length or one beyond int32, an option below 1 or beyond int32, ``num_ctas`` beyond
-        ``MAX_CTAS``.
+        ``MAX_CTAS``, ``busy_ctas`` beyond ``num_ctas``.
 
     Examples
     --------
@@ -415,19 +420,28 @@ def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int =
     >>> p = ba.scheduler.plan([1, 1], [100, 10], num_ctas=4)
     >>> p.kv_chunk_size, p.num_items, p.num_merges
     (28, 5, 1)
+    >>> ba.scheduler.plan([1, 1], [100, 10], num_ctas=4, busy_ctas=2).cta_indptr.tolist()
+    [0, 1, 3, 3, 3]
     """
     qo, kv = _check_lengths(qo_lens, kv_lens)
     return _plan_valid(qo, kv, num_ctas=num_ctas, tile_q=tile_q, fixed_split_size=fixed_split_size,
-                       disable_split_kv=disable_split_kv, min_split_size=min_split_size, kv_align=kv_align)
+                       disable_split_kv=disable_split_kv, min_split_size=min_split_size, kv_align=kv_align,
+                       busy_ctas=busy_ctas)
 
 
 def _plan_valid(qo, kv, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
-                disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1) -> WorkPlan:
+                disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1,
+                busy_ctas: int | None = None) -> WorkPlan:
     """:func:`plan` for lengths known to be valid (a :class:`~bsrattn.layout.BSRLayout`'s ``qo_lens`` and
     ``kv_lens``, int32 and checked when the layout was built): only the options are checked."""
     _check_options(num_ctas, tile_q, min_split_size, kv_align, fixed_split_size)
-    return _make_plan(qo, kv, num_ctas, tile_q, _split(fixed_split_size, disable_split_kv), min_split_size,
-                      kv_align, True)
+    busy = num_ctas if busy_ctas is None else as_int("busy_ctas", busy_ctas, minimum=1, maximum=num_ctas)
+    work_plan = _make_plan(qo, kv, busy, tile_q, _split(fixed_split_size, disable_split_kv), min_split_size,
+                           kv_align, True)
+    if busy == num_ctas:
+        return work_plan
+    idle = np.full(num_ctas - busy, work_plan.cta_indptr[-1], dtype=work_plan.cta_indptr.dtype)
+    return replace(work_plan, num_ctas=num_ctas, cta_indptr=np.concatenate([work_plan.cta_indptr, idle]))
 
 
 def round_robin(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int = 1) -> WorkPlan:

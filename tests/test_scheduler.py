@@ -136,6 +136,23 @@ def test_disable_split_kv_gives_one_item_per_tile(lens, num_ctas, tile_q):
     np.testing.assert_array_equal(work_plan.item_kv_end, np.asarray(kv)[work_plan.item_row])
 
 
+@given(lengths(), plan_kwargs(), st.integers(1, 8))
+def test_busy_ctas_balances_over_the_first_ctas_and_leaves_the_rest_empty(lens, kwargs, extra):
+    """``busy_ctas`` plans exactly as ``num_ctas=busy_ctas`` would, in a grid of ``num_ctas`` whose last CTAs
+    get no item."""
+    busy = kwargs["num_ctas"]
+    work_plan = scheduler.plan(*lens, **dict(kwargs, num_ctas=busy + extra), busy_ctas=busy)
+    want = scheduler.plan(*lens, **kwargs)
+    assert work_plan.num_ctas == busy + extra
+    np.testing.assert_array_equal(work_plan.cta_indptr, np.r_[want.cta_indptr, [want.cta_indptr[-1]] * extra])
+    for f in fields(scheduler.WorkPlan):
+        if f.name not in ("num_ctas", "cta_indptr"):
+            np.testing.assert_array_equal(getattr(work_plan, f.name), getattr(want, f.name), err_msg=f.name)
+    check_plan_coverage(work_plan, *lens)
+    with pytest.raises(ValueError, match=f"busy_ctas must be <= {busy + extra}"):
+        scheduler.plan(*lens, **dict(kwargs, num_ctas=busy + extra), busy_ctas=busy + extra + 1)
+
+
 # ---- the seed's makespan table (ratio of round-robin's makespan to the plan's, 132 CTAs) ------------------
 
 def test_makespan_table_shape():

@@ -224,6 +224,25 @@ def test_plan_options_pick_decode_and_prefill_tiles():
     assert tcfg.LaunchConfig.from_list(config.to_list()) == config
 
 
+def test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm(monkeypatch):
+    """A decode batch of few (row, KV head) pairs is balanced over one CTA per SM (``busy_ctas``) inside the
+    usual grid of two per SM, the rest left empty, and runs 8 warps; a larger batch uses every CTA. Both answer
+    as the reference does. (16 pretend SMs: the interpreter's 4 leave no batch few enough.)"""
+    monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 16)
+    rng = np.random.default_rng(16)
+    for batch, few in ((1, True), (3, False)):
+        problem = paged_problem(rng, qo_lens=(1,) * batch, kv_lens=(300, 12, 70)[:batch])
+        run, attn = _batch(problem, torch.float16)
+        check_attention(run, problem, "float16", name=f"decode batch {batch}")
+        plan, config = attn.work_plans[0], attn._runners[0].launch_config("float16", "NHD", True)
+        assert plan.num_ctas == 16 * tcfg.CTAS_PER_SM["decode"] // 2, "the grid stays at two CTAs per SM"
+        busy = tcfg.plan_options(attn._specs[0])["busy_ctas"]
+        assert busy == (16 // 2 if few else plan.num_ctas), busy
+        assert np.ptp(plan.cta_indptr[busy:]) == 0, "the CTAs past the busy ones get no item"
+        if few:
+            assert config.num_warps == 8, config
+
+
 def test_block_sizes_that_are_not_powers_of_two_share_one_kernel():
     """transformers' cache is one block of ``S`` slots per request, ``S`` growing every step: the kernel reads such
     a block size at run time, so the steps share one compiled kernel instead of compiling one each; a page size

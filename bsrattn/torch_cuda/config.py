@@ -12,7 +12,12 @@ Two shapes of work, one kernel:
 ``num_ctas`` is CTAs per KV head (the scheduler's unit): the launch is ``num_ctas x num_kv_heads``
 programs, a fixed number of waves of the GPU, read from the device's SM count: two CTAs per SM at decode
 (both resident), four at prefill (one resident: the others queue, so the hardware evens out what the static
-plan cannot see, the causal triangle's unequal tiles; W3 16 x 1024: 645 -> 579 us).
+plan cannot see, the causal triangle's unequal tiles; W3 16 x 1024: 645 -> 579 us). A decode batch of few
+(row, KV head) pairs, at most one per ``DECODE_FEW_PAIRS_PER`` SMs, is balanced over one CTA per SM
+(``busy_ctas``), the grid's other CTAs left empty, and runs 8 warps: each pair's KV is split over many CTAs
+anyway, and longer items with more loads in flight each beat twice the items merged through memory. (Measured
+with a grid of one CTA per SM: W2 1 x 16384 55 -> 42 us on the H200. The grid stays at two CTAs per SM so that
+a captured CUDA graph, which records it, replays any batch's plan.)
 
 Decode chunks are whole KV tiles (``kv_align = BLOCK_N``) of at least ``DECODE_MIN_SPLIT`` slots. Measured
 on the H200 (``benchmarks/tune.py``, NOTES.md): with chunks of exactly ``L_kv`` the per-row ceilings
@@ -38,6 +43,9 @@ DECODE_ROWS = 64
 """A tile whose query rows x group heads fit in this many rows is run with the decode shapes."""
 
 CTAS_PER_SM = {"decode": 2, "prefill": 4}
+DECODE_FEW_PAIRS_PER = 4
+"""A decode batch of at most ``num_sms // DECODE_FEW_PAIRS_PER`` (row, KV head) pairs is balanced over one CTA
+per SM."""
 DECODE_MIN_SPLIT = 256
 PREFILL_BLOCK_M = 128
 INTERPRETER_SMS = 4
@@ -142,8 +150,10 @@ def plan_options(spec, device=None) -> dict:
     ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // spec.num_kv_heads)
     if kind == "decode":
         block_n = tiles(m, spec.head_dim, spec.q_dtype).block_n
+        sms = num_sms(device)
+        few_pairs = spec.layout.num_rows * spec.num_kv_heads * DECODE_FEW_PAIRS_PER <= sms
         return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=DECODE_MIN_SPLIT,
-                    kv_align=block_n)
+                    kv_align=block_n, busy_ctas=max(1, min(ctas, sms // spec.num_kv_heads)) if few_pairs else ctas)
     tile_q = max(1, m // spec.group_size)
     # As many query tiles as CTAs or more: every CTA has whole tiles to run, so no row is split (a chunk as long
     # as the longest row), and the kernel carries no merges (LaunchConfig.merges). Fewer tiles (a short prefill

@@ -101,7 +101,7 @@ class Runner:
         key = (q_dtype, kv_view, store_lse)
         if key not in self._configs:
             spec, variant = self.spec, self.spec.variant
-            busy = self.work_plan.num_items * spec.num_kv_heads  # programs with work
+            busy = int(np.count_nonzero(np.diff(self.work_plan.cta_indptr))) * spec.num_kv_heads  # programs with work
             t = cfg.tiles(cfg.block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype,
                           few_items=busy < cfg.num_sms(self.device))
             self._configs[key] = cfg.LaunchConfig(
