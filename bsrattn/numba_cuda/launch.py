@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda
@@ -31,6 +32,18 @@ def device(fn):
     inner loops costs far more than the arithmetic.
     """
     return fn if SIMULATOR else cuda.jit(device=True, inline="always")(fn)
+
+
+def _fma(a, b, c):
+    return a * b + c
+
+
+ops = SimpleNamespace(fma=_fma) if SIMULATOR else cuda
+"""Where device functions find ``ops.fma(a, b, c)``: ``a * b + c`` as one explicit FMA (one rounding) on a GPU,
+whatever the code around it, where the compiler's own fusing of a multiply with an add depends on that code.
+(Numba types ``cuda.fma`` as an attribute of the module, so the GPU's is numba.cuda itself.) In the simulator,
+whose device functions are plain Python (:func:`device`) and see only their own module's globals, two
+roundings of NumPy scalars: the same every time."""
 
 
 _simulated_launch = threading.Lock()

@@ -22,7 +22,7 @@ from numba import cuda
 from bsrattn.numba_cuda import arrays, launch
 from bsrattn.numba_cuda.formats import OUTPUT_FORMATS, compute_format, decoder, encoder, format_of, numpy_dtype
 from bsrattn.numba_cuda.config import MERGE_THREADS, blocks_for
-from bsrattn.numba_cuda.launch import device
+from bsrattn.numba_cuda.launch import device, ops
 from bsrattn.validation import lse_dtype
 
 
@@ -31,6 +31,10 @@ def make_merge_pair(compute):
 
     An empty state (``s = -inf``) adds exactly nothing, whatever its ``o``; a NaN or ``+inf`` ``s`` gives NaN
     (through ``exp(NaN)`` and ``exp(inf - inf)``), whichever operand the max keeps.
+
+    ``w_a o_a + w_b o_b`` is one explicit FMA: left to the compiler, whether it fuses the two depends on the code
+    around it, and the plan's fold and :func:`merge_state`'s kernel rounded one ⊕ differently (deterministic
+    mode needs them to agree, bit for bit).
     """
     neg_inf, zero = compute(-math.inf), compute(0.0)
 
@@ -40,10 +44,10 @@ def make_merge_pair(compute):
             return zero, neg_inf
         m = s_a if s_a > s_b else s_b
         w_a, w_b = math.exp(s_a - m), math.exp(s_b - m)
-        t_a = zero if s_a == neg_inf else w_a * o_a
         t_b = zero if s_b == neg_inf else w_b * o_b
+        weighted = t_b if s_a == neg_inf else ops.fma(w_a, o_a, t_b)
         total = w_a + w_b
-        return (t_a + t_b) / total, m + math.log(total)
+        return weighted / total, m + math.log(total)
 
     return merge_pair
 

@@ -31,7 +31,7 @@ import math
 
 from bsrattn import indexing
 from bsrattn.numba_cuda.formats import decoder, encoder
-from bsrattn.numba_cuda.launch import device
+from bsrattn.numba_cuda.launch import device, ops
 
 query_position = device(indexing.query_position)
 key_visible = device(indexing.key_visible)
@@ -160,7 +160,9 @@ def make_microkernel(cfg):
 
         A hidden pair is skipped, not multiplied by a zero weight: ``0 * v`` is NaN for a NaN or infinite ``v``,
         and no value of a hidden key may reach the output. Without masks that hide keys, every pair of the
-        tile is visible or past the range, whose rows ``load_rows`` zeroed."""
+        tile is visible or past the range, whose rows ``load_rows`` zeroed. Each step is one explicit FMA: left
+        to the compiler, a guarded step (masks that hide keys) and an unguarded one fused differently, and a
+        row's bits depended on the variant's masks (deterministic mode needs them not to)."""
         if not sigmoid:
             for i in range(t, nq, threads):
                 total, j = l_run[i] * alpha[i], 0
@@ -176,7 +178,7 @@ def make_microkernel(cfg):
                 a, j = (acc[n] if sigmoid else acc[n] * alpha[i]), 0
                 while j < tile_kv:
                     if not hidden_keys or seen[i, j]:
-                        a += p_tile[i, j] * decode_kv(v_el[j, d])
+                        a = ops.fma(p_tile[i, j], decode_kv(v_el[j, d]), a)
                     j += 1
                 acc[n] = a
 
