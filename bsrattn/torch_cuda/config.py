@@ -200,6 +200,14 @@ class LaunchConfig:
     Without them the kernel keeps fewer values live (a prefill tile's 255 registers and 80 bytes of stack become
     251 registers and none on sm_90), but runs only plans that split nothing: a graph captured without them must
     be recaptured for a plan that splits (the runner warns)."""
+    deterministic: bool = False
+    """Deterministic mode (``AttentionSpec.split_size``): a row's bits must not depend on the tile it sits in.
+    The dots already do not: measured on the H200, ``q @ k^T`` and ``p @ v`` give the same bits per element
+    whether ``mma`` (16 rows) or ``wgmma`` (64 or 128 rows) computes them, on 1 to 8 warps. What does: a row sum
+    (``tl.sum``) split over warps, and where the compiler fuses a multiply with an add (it depends on the code
+    around: a tile run with masks and the same tile without would round differently). So the softmax's
+    running sum is taken on the tensor cores too (``p @ 1``, the weights ``p @ v`` uses) and the kernel compiles
+    without FMA fusion (Triton's ``enable_fp_fusion``)."""
 
     @property
     def hidden_keys(self) -> bool:

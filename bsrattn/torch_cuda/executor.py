@@ -123,7 +123,7 @@ def persistent_attention(
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr,
         STORE_LSE: tl.constexpr, DENSE_ROWS: tl.constexpr, MERGES: tl.constexpr, PRECISION: tl.constexpr,
-        REDO: tl.constexpr):
+        DETERMINISTIC: tl.constexpr, REDO: tl.constexpr):
     # sync, in blocks of merge_rows rows (the buffers' merge capacity): the first counts a merge's partial
     # states as they land, the second the same in the second launch, the third flags the merges whose output
     # came out non-finite; then one row per item flags such items.
@@ -182,8 +182,11 @@ def persistent_attention(
                 last_local = qo_start - qo_first + tile_query(tl.minimum(m0 + BLOCK_M, n_rows) - 1, GROUP)
                 hi = tl.minimum(hi, query_position(qo_len, kv_len, last_local) + 1)
             if HAS_WINDOW:
+                # From the KV tile holding the window's first key: tiles start at the chunk's multiples of
+                # BLOCK_N whatever the query tile, so a row's keys fall into the same tiles in every plan.
                 first_local = qo_start - qo_first + tile_query(m0, GROUP)
-                lo = tl.maximum(lo, query_position(qo_len, kv_len, first_local) - window_left)
+                first_key = tl.maximum(lo, query_position(qo_len, kv_len, first_local) - window_left)
+                lo = lo + (first_key - lo) // BLOCK_N * BLOCK_N
             q_row_ptr = q_ptr + (qo_start + rel).to(tl.int64)[:, None] * stride_qn + head[:, None] * stride_qh
             if ROPE:
                 q_half = q_row_ptr + half[None, :] * stride_qd
@@ -206,7 +209,7 @@ def persistent_attention(
                 HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H,
                 BLOCK_SIZE=BLOCK_SIZE, DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP,
                 ALIBI=ALIBI, SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
-                DROP_HIDDEN=REDO)
+                DETERMINISTIC=DETERMINISTIC, DROP_HIDDEN=REDO)
             if HIDDEN_KEYS and not REDO:
                 if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:  # a non-finite row: the second launch redoes the item
                     tl.store(item_flags + w * num_kv_heads + kv_head, 1)
@@ -275,13 +278,15 @@ def constexprs(config, q_dtype, redo: bool = False) -> dict:
                 SOFT_CAP=config.soft_cap, ALIBI=config.alibi, SIGMOID=config.sigmoid, ROPE=config.rope,
                 CUSTOM_MASK=config.custom_mask,
                 STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows, MERGES=config.merges,
-                PRECISION="ieee" if q_dtype == torch.float32 else "tf32", REDO=redo)
+                PRECISION="ieee" if q_dtype == torch.float32 else "tf32", DETERMINISTIC=config.deterministic,
+                REDO=redo)
 
 
 def launch_args(q, k, v, out, lse, buffers, config, scalars):
     """``(grid, args, kwargs)`` of :func:`persistent_attention`: :func:`call_args`, :func:`plan_args`, then
     :func:`constexprs` and the launch options as keywords."""
-    kwargs = dict(constexprs(config, q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+    kwargs = dict(constexprs(config, q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+                  enable_fp_fusion=not config.deterministic)
     args = call_args(q, k, v, out, lse, config, scalars) + plan_args(buffers, config)
     return (config.num_ctas, config.num_kv_heads), args, kwargs
 
@@ -369,7 +374,8 @@ class Launch:
             for redo in (False, True) if self.config.hidden_keys else (False,):
                 tail = constexprs(self.config, q.dtype, redo)
                 kernel = persistent_attention[self.grid](*call, *self.plan, **tail, num_warps=self.config.num_warps,
-                                                         num_stages=self.config.num_stages)
+                                                         num_stages=self.config.num_stages,
+                                                         enable_fp_fusion=not self.config.deterministic)
                 if _KEEPS_KERNELS:
                     kernels.append((kernel[grid], tuple(tail[name] for name in _CONSTEXPR_NAMES)))
         return kernels

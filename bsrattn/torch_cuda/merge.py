@@ -3,7 +3,9 @@
 Must match :mod:`bsrattn.reference.merge` (``merge_state``, ``merge_states``, ``sum_states``): the same max
 shift, natural log, a state with ``lse = -inf`` is the identity, and folds run in index order, never in
 completion order, so results are deterministic. Arithmetic is float32; ``o`` comes back in its input dtype
-and ``lse`` as float32.
+and ``lse`` as float32. The merge kernels compile without FMA fusion, as the attention kernel does in
+deterministic mode: a fold in the kernel and the same ⊕ of :func:`merge_state` round alike (``m + log(total)``
+would otherwise fuse with the logarithm's scaling in one and not the other).
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor):
         with interpreter_turn():
             _merge_states_kernel[(triton.cdiv(rows, BLOCK_R),)](o, lse, o_out, lse_out, num_states, num_heads, rows,
                                                                HEAD_DIM=head_dim, BLOCK_R=BLOCK_R,
-                                                               BLOCK_D=block_d(head_dim))
+                                                               BLOCK_D=block_d(head_dim), enable_fp_fusion=False)
     return o_out, lse_out
 
 
@@ -148,7 +150,7 @@ def merge_state(o_a, lse_a, o_b, lse_b):
         with interpreter_turn():
             _merge_state_kernel[(triton.cdiv(rows, BLOCK_R),)](
                 o_a.contiguous(), lse_a.contiguous(), o_b.contiguous(), lse_b.contiguous(), o_out, lse_out, rows,
-                HEAD_DIM=head_dim, BLOCK_R=BLOCK_R, BLOCK_D=block_d(head_dim))
+                HEAD_DIM=head_dim, BLOCK_R=BLOCK_R, BLOCK_D=block_d(head_dim), enable_fp_fusion=False)
     return o_out, lse_out
 
 

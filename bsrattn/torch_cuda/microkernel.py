@@ -94,10 +94,12 @@ def visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_p
 
 @triton.jit
 def softmax_update(acc, m_i, l_i, s, vis, v,  # acc [BLOCK_M, D] f32; m_i, l_i [BLOCK_M]; s, vis [M, N]; v [N, D]
-                   MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                   MASKED: tl.constexpr, PRECISION: tl.constexpr, DETERMINISTIC: tl.constexpr):
     """One online-softmax step over a KV tile: rescale the running state by the new max, add ``p @ v``.
 
-    ``vis`` is ignored when not ``MASKED`` (a tile every query sees whole).
+    ``vis`` is ignored when not ``MASKED`` (a tile every query sees whole). ``DETERMINISTIC`` takes the
+    running sum on the tensor cores, ``p @ 1`` over the weights ``p @ v`` uses, whose bits do not depend on how
+    the tile is laid out over warps (``tl.sum``'s do; see ``LaunchConfig.deterministic``).
     """
     if MASKED:
         s = tl.where(vis, s, float("-inf"))
@@ -106,8 +108,14 @@ def softmax_update(acc, m_i, l_i, s, vis, v,  # acc [BLOCK_M, D] f32; m_i, l_i [
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    weights = p.to(v.dtype)
+    if DETERMINISTIC:
+        # Every column of p @ 1 is the row's sum; their max is that sum exactly.
+        ones = tl.full([s.shape[1], 16], 1.0, v.dtype)
+        l_i = l_i * alpha + tl.max(tl.dot(weights, ones, input_precision=PRECISION), 1)
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -157,7 +165,8 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, MASKED: tl.constexpr, DROP_HIDDEN: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
-                SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PRECISION: tl.constexpr):
+                SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                DETERMINISTIC: tl.constexpr):
     """The running state after the KV tile of slots ``start:start+BLOCK_N`` (``blocks``: its block ids, sparse path).
 
     An unmasked tile (``MASKED`` false) is one the caller knows to lie inside the range and to be visible
@@ -194,7 +203,7 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_
     if SIGMOID:
         acc = sigmoid_update(acc, s, vis, sigmoid_bias, v, MASKED, PRECISION)
     else:
-        acc, m_i, l_i = softmax_update(acc, m_i, l_i, s, vis, v, MASKED, PRECISION)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, s, vis, v, MASKED, PRECISION, DETERMINISTIC)
     return acc, m_i, l_i, bad
 
 
@@ -207,7 +216,8 @@ def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr,
-                 ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PRECISION: tl.constexpr, DROP_HIDDEN: tl.constexpr):
+                 ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PRECISION: tl.constexpr, DETERMINISTIC: tl.constexpr,
+                 DROP_HIDDEN: tl.constexpr):
     """State of a query tile over the row's logical KV slots ``kv_start:kv_end`` (reference ``attend_range``).
 
     With ``ROPE``, ``q`` and ``q2`` are the tile's turned query halves ``[BLOCK_M, BLOCK_H]`` (:func:`rope_turn`),
@@ -247,7 +257,8 @@ def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
                 DROP_HIDDEN=False,
                 HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
                 DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
-                SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
+                SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
+                DETERMINISTIC=DETERMINISTIC)
             blocks = ahead
     for start in range(mid, kv_end, BLOCK_N):
         ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end, block_size,
@@ -259,6 +270,7 @@ def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
             DROP_HIDDEN=DROP_HIDDEN,
             HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
             DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
-            SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION)
+            SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
+                DETERMINISTIC=DETERMINISTIC)
         blocks = ahead
     return finish(acc, m_i, l_i, bad, v_scale, SIGMOID)
