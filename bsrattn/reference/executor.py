@@ -19,7 +19,7 @@ import numpy as np
 from bsrattn.reference.attention import Progress
 from bsrattn.reference.gather import kv_as_slots
 from bsrattn.reference.merge import merge_state, sum_states
-from bsrattn.reference.microkernel import attend_range
+from bsrattn.reference.microkernel import attend_chunk, attend_range
 
 
 def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.float64):
@@ -35,11 +35,13 @@ def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.fl
     rows = (work_plan.item_qo_end - work_plan.item_qo_start).astype(np.int64)
     sizes = rows * (work_plan.item_kv_end - work_plan.item_kv_start)
     progress = Progress("reference executor", int(sizes.sum()))
+    # Deterministic mode: each item is one chunk of the grid, computed row by row (attend_chunk).
+    state_of = attend_range if spec.split_size is None else attend_chunk
     for cta in range(work_plan.num_ctas):
         for w in range(work_plan.cta_indptr[cta], work_plan.cta_indptr[cta + 1]):
             qs, qe = int(work_plan.item_qo_start[w]), int(work_plan.item_qo_end[w])
-            o, s = attend_range(spec, q, k_slots, v_slots, int(work_plan.item_row[w]), qs, qe,
-                                int(work_plan.item_kv_start[w]), int(work_plan.item_kv_end[w]), dtype)
+            o, s = state_of(spec, q, k_slots, v_slots, int(work_plan.item_row[w]), qs, qe,
+                            int(work_plan.item_kv_start[w]), int(work_plan.item_kv_end[w]), dtype)
             p = int(work_plan.item_partial[w])
             if p < 0:
                 out[qs:qe], lse[qs:qe] = o, s

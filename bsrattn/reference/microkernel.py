@@ -67,7 +67,13 @@ def scores(q, k, q_pos, k_pos, variant, sm_scale, dtype=np.float64, rope_pos=Non
         q_rot, k_rot = (q_pos, k_pos) if rope_pos is None else rope_pos
         q, k = rope(q, q_rot, freqs), rope(k, k_rot, freqs)
     q = per_kv_head(q.transpose(1, 0, 2), num_kv_heads)                             # [Hkv, G*n, D]
-    s = np.matmul(q, k.transpose(1, 2, 0)).reshape(num_qo_heads, n, m)
+    return transform(np.matmul(q, k.transpose(1, 2, 0)).reshape(num_qo_heads, n, m), q_pos, k_pos, variant,
+                     sm_scale, dtype)
+
+
+def transform(s, q_pos, k_pos, variant, sm_scale, dtype=np.float64):
+    """Scores ``[Hq, n, m]`` from the products ``q . k`` (``s``, scaled in place): the scale, the soft cap,
+    ALiBi's ``slope * (k_pos - q_pos)``, as :func:`scores` applies them."""
     s *= dtype(sm_scale)
     if variant.logits_soft_cap > 0:
         cap = dtype(variant.logits_soft_cap)
@@ -157,4 +163,65 @@ def attend_range(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
         tile = slice(t, t + rows)
         o[tile], lse[tile] = attend(q[tile], k, v, q_pos[tile], k_pos, spec.variant, spec.sm_scale,
                                     None if mask is None else mask[tile], dtype, k_offset, q_rot[tile])
+    return o, lse
+
+
+def attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_end, dtype=np.float64):
+    """Deterministic mode's state of query rows ``qo_start:qo_end`` of block row ``r`` over one chunk of its
+    grid, logical KV ``kv_start:kv_end`` (``kv_start`` a multiple of ``spec.split_size``).
+
+    Each query row is computed on its own, over the chunk's ``split_size`` slots: those past ``kv_end``, and
+    the keys a mask hides, are hidden (score ``-inf``, value 0). Every sum is a NumPy reduction over a length
+    the grid fixes (``head_dim`` for ``q . k``, ``split_size`` for ``sum p`` and ``p . v``), so the state is a
+    function of the query, the chunk's keys and positions and what the query sees of them, and of nothing else:
+    not the item's other queries, nor where the row ends past the chunk, nor the batch. (:func:`attend` batches
+    queries on BLAS, whose order of summation follows the matrices' shapes.) The rules for NaN and infinities
+    are :func:`attend`'s. Returns ``(o [n, Hq, D], lse [n, Hq])`` in ``dtype``.
+    """
+    layout, variant, size = spec.layout, spec.variant, spec.split_size
+    group = spec.group_size
+    qo_len, kv_len = int(layout.qo_lens[r]), int(layout.kv_lens[r])
+    local = np.arange(qo_start, qo_end) - int(layout.qo_indptr[r])
+    q_pos = indexing.query_position(qo_len, kv_len, local)
+    k_pos = np.arange(kv_start, kv_start + size)
+    count = kv_end - kv_start
+    k = np.zeros((size, spec.num_kv_heads, spec.head_dim), dtype)
+    v = np.zeros_like(k)
+    k[:count] = gather(k_slots, layout, r, kv_start, kv_end)
+    v[:count] = gather(v_slots, layout, r, kv_start, kv_end)
+    q = np.asarray(q)[qo_start:qo_end].astype(dtype)
+    if variant.use_rope:
+        q_rot, k_offset = spec.rope_frame()
+        freqs = variant.rope_frequencies(spec.head_dim)
+        q = rope(q, q_rot[qo_start:qo_end], freqs)
+        k = rope(k, k_pos + int(k_offset[r]), freqs)
+    k_heads = np.repeat(k, group, axis=1).transpose(1, 0, 2)                    # [Hq, S, D]
+    finite = np.isfinite(v)
+    v_bad = np.repeat(~finite.all(axis=2), group, axis=1)                      # [S, Hq]
+    mask = layout.row_mask(r)
+    o = np.zeros(q.shape, dtype)
+    lse = np.full(q.shape[:2], -np.inf, dtype)
+    for i in range(q.shape[0]):
+        visible = (k_pos < kv_end) & indexing.key_visible(q_pos[i], k_pos, variant.causal, variant.window_left)
+        if mask is not None:
+            visible[:count] &= mask[local[i], kv_start:kv_end]
+        poisoned = (visible[:, None] & v_bad).any(axis=0)                      # [Hq]
+        v_heads = np.repeat(np.where(visible[:, None, None] & finite, v, 0), group, axis=1).transpose(1, 2, 0)
+        with np.errstate(invalid="ignore", over="ignore"):
+            s = transform(np.sum(q[i][:, None, :] * k_heads, axis=-1)[:, None, :], q_pos[i:i + 1], k_pos, variant,
+                          spec.sm_scale, dtype)[:, 0]                           # [Hq, S]
+            if variant.use_sigmoid:
+                w = np.where(visible, 1.0 / (1.0 + np.exp(-(s + dtype(variant.sigmoid_bias)))), 0)
+                o[i] = np.where(poisoned[:, None], np.nan, np.sum(w[:, None, :] * v_heads, axis=-1))
+                lse[i] = np.nan
+                continue
+            s = np.where(visible, s, -np.inf)
+            m = s.max(axis=1, initial=-np.inf)
+            m_safe = np.where(m == -np.inf, 0, m)
+            p = np.exp(s - m_safe[:, None])
+            denom = p.sum(axis=1)
+            o[i] = np.sum(p[:, None, :] * v_heads, axis=-1) / np.where(denom == 0, 1, denom)[:, None]
+        o[i] = np.where((poisoned & (denom != 0))[:, None], np.nan, o[i])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lse[i] = m_safe + np.log(denom)
     return o, lse
