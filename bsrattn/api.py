@@ -11,8 +11,8 @@ from bsrattn._types import Array, DType
 from bsrattn.backends import Backend, get_backend
 from bsrattn.layout import BSRLayout, Cascade
 from bsrattn.state import merge_sinks, write_into
-from bsrattn.validation import FLOAT_DTYPES, AttentionSpec, check_array, check_rope_positions, dtype_name, \
-    make_spec, shape_of, spec_from_inputs
+from bsrattn.validation import FLOAT_DTYPES, AttentionSpec, check_array, check_deterministic, check_on_grid, \
+    check_rope_positions, dtype_name, make_spec, shape_of, spec_from_inputs
 from bsrattn.variant import Variant
 
 if TYPE_CHECKING:
@@ -75,10 +75,34 @@ def _merge_levels(backend, states, variant, out, lse, sink_rows=None):
     return write_into(o, s, out, lse)
 
 
+def _slot_view(x, kv_layout):
+    """A KV pool ``[num_blocks, block_size, Hkv, D]`` (NHD; HND ``[num_blocks, Hkv, block_size, D]``) as one slot
+    per row, ``[num_blocks * block_size, Hkv, D]``: the storage of :meth:`Cascade.flatten`'s layout (a view of an
+    NHD pool, a copy of an HND one). A 3-D pool is one slot per row already."""
+    if len(shape_of(x)) == 3:
+        return x
+    if kv_layout == "HND":
+        x = x.swapaxes(1, 2)
+    n, b, h, d = shape_of(x)
+    return x.reshape(n * b, h, d)
+
+
+def _deterministic_layout(layout, rope_positions):
+    """The layout a deterministic plan runs: a BSRLayout itself; a Cascade as its one flattened layout, each
+    query's keys of every level in order, so that the chunk grid runs through the levels as through flat KV."""
+    if not isinstance(layout, Cascade):
+        return layout
+    if rope_positions is not None:
+        raise ValueError("rope_positions is for a BSRLayout: a Cascade's levels turn at their positions in the "
+                         "whole sequence (Cascade.rope_positions)")
+    return layout.flatten()
+
+
 def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, variant: Variant | None = None,
               backend: str | Backend | None = None, kv_layout: str = "NHD", return_lse: bool = False,
               out: Array | None = None, lse: Array | None = None, k_scale: float | None = None,
-              v_scale: float | None = None, rope_positions: tuple | None = None) -> Array | tuple[Array, Array]:
+              v_scale: float | None = None, rope_positions: tuple | None = None, deterministic: bool = False,
+              split_size: int | None = None) -> Array | tuple[Array, Array]:
     """Attention of every query row over its KV, for any layout.
 
     Parameters
@@ -109,6 +133,13 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
         (FlashInfer's ``q_rope_offset``/``k_rope_offset``): ``(q_positions [nnz_qo], kv_offsets [R])``, each query
         row's position and that of each row's first slot (slot ``j`` at ``kv_offsets[r] + j``). None: a query at
         ``kv_len - qo_len + i``, slot ``j`` at ``j``. Only with ``variant.rope_theta``; a Cascade computes its own.
+    deterministic : bool
+        Partition-invariant mode: each query row's ``out`` and ``lse`` are bitwise the same however the work is
+        cut (the rest of the batch, ``num_ctas``, a Cascade or flat KV, one call or chunks merged with
+        :func:`merge_state`, a decode step or a row of a prefill). See :meth:`BatchAttention.plan`.
+    split_size : int, optional
+        Deterministic mode's chunk grid, KV slots per chunk at absolute positions, a multiple of 64; default
+        ``bsrattn.validation.DEFAULT_SPLIT_SIZE`` (1024). Only with ``deterministic=True``.
 
     Returns
     -------
@@ -123,7 +154,8 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
         not match, a scale that is not a real number.
     ValueError
         Shapes that do not fit the layout or each other, a read-only ``out``/``lse``, a torch tensor on the
-        meta device, ``rope_positions`` of the wrong lengths or without fused RoPE.
+        meta device, ``rope_positions`` of the wrong lengths or without fused RoPE; in deterministic mode, a
+        ``split_size`` that is not a multiple of 64 or a row that ``rope_positions`` starts off the chunk grid.
 
     Notes
     -----
@@ -150,6 +182,16 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
     be = get_backend(backend)
     variant = _PLAIN if variant is None else variant
     run_kwargs = dict(return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+    split = check_deterministic(deterministic, split_size)
+    if split is not None:  # planned like any BatchAttention step, on the chunk grid
+        first = _levels(layout)[0]
+        spec = spec_from_inputs(q, k, v, first, _level_variant(layout, 0, variant), kv_layout, out=out, lse=lse,
+                                **run_kwargs)
+        attn = BatchAttention(be)
+        attn.plan(layout, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, variant=variant, q_dtype=spec.q_dtype,
+                  kv_dtype=spec.kv_dtype, kv_layout=kv_layout, rope_positions=rope_positions, deterministic=True,
+                  split_size=split)
+        return attn.run(q, k, v, out=out, lse=lse, **run_kwargs)
     if isinstance(layout, BSRLayout):
         spec = _positioned(layout, 0, spec_from_inputs(q, k, v, layout, variant, kv_layout, out=out, lse=lse,
                                                        **run_kwargs), rope_positions)
@@ -199,13 +241,16 @@ class BatchAttention:
         self.backend = get_backend(backend)
         self._args: tuple = ()
         self._specs: list = []
+        self._checks: list = []  # the specs run checks its arguments against (a flattened Cascade's: its levels')
+        self._slots_of: str | None = None  # a flattened Cascade's kv_layout: run views its pool one slot per row
         self._runners: list = []
         self._sink_rows: dict = {}  # the sinks' state, kept between calls (state.merge_sinks)
 
     def plan(self, layout: BSRLayout | Cascade, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
              variant: Variant | None = None, q_dtype: DType | None = None, kv_dtype: DType | None = None,
              kv_layout: str = "NHD", num_ctas: int | None = None, fixed_split_size: int | None = None,
-             disable_split_kv: bool = False, rope_positions: tuple | None = None) -> None:
+             disable_split_kv: bool = False, rope_positions: tuple | None = None, deterministic: bool = False,
+             split_size: int | None = None) -> None:
         """Compute the :class:`~bsrattn.scheduler.WorkPlan` for ``layout`` and bind it to this object.
 
         ``num_ctas`` counts CTAs **per KV head**, not in all: every KV head runs the same plan on its own
@@ -214,6 +259,18 @@ class BatchAttention:
         exactly at that count, with chunks of ``L_kv`` slots. ``fixed_split_size`` fixes the KV chunk size (batch
         invariance); ``disable_split_kv`` gives each query tile one item.
         Calling ``plan`` again refills the tier's buffers in place where it can (CUDA-graph replay).
+
+        ``deterministic=True`` makes the result partition-invariant: a query row's ``out`` and ``lse`` are bitwise
+        identical whatever else the call holds and however the work is cut — the batch and its size, ``num_ctas``,
+        a re-plan or a fresh object, eager or a replayed CUDA graph, flat KV or a Cascade, a decode step or the
+        same query as a row of a causal prefill over the same keys, one call or KV pieces merged with
+        :func:`merge_state` (in KV order, each piece after the first within one chunk of the grid, the states in
+        float32). Each row's KV is cut on a grid fixed at absolute positions, every ``split_size`` slots; each
+        chunk's state is computed alone with one tile configuration per tier (whatever the plan's shape) and
+        its sums in a fixed order; the chunks' states are folded left to right with ⊕. A Cascade runs as its
+        flattened layout (:meth:`Cascade.flatten`: each query's keys of every level in order), so the grid runs
+        through its levels; the shared prefix is then read once per request, as in flat KV. A row that
+        ``rope_positions`` starts off the grid is refused. The grid is the tier's: bits agree within a tier.
 
         Ints (heads, ``head_dim``, ``num_ctas``, ``fixed_split_size``) may be NumPy integers but not floats or
         bools; ``q_dtype``/``kv_dtype`` may be names, torch dtypes or NumPy dtypes. ``num_ctas`` is at most
@@ -242,6 +299,11 @@ class BatchAttention:
         rope_positions : pair of int arrays, optional
             Fused RoPE's positions of a BSRLayout's queries and rows' first slots, as :func:`attention` takes
             them; a step's positions, so given again at each ``plan``.
+        deterministic : bool
+            Partition-invariant mode (above).
+        split_size : int, optional
+            Deterministic mode's chunk grid: KV slots per chunk, a multiple of 64; default
+            ``bsrattn.validation.DEFAULT_SPLIT_SIZE`` (1024). Only with ``deterministic=True``.
 
         Returns
         -------
@@ -256,10 +318,22 @@ class BatchAttention:
         ValueError
             A head count, ``head_dim`` or option out of range, ``num_qo_heads`` not a multiple of
             ``num_kv_heads``, a variant that does not fit the layout or the heads, ``rope_positions`` that do
-            not fit the layout or come without fused RoPE.
+            not fit the layout or come without fused RoPE; in deterministic mode a ``split_size`` that is not a
+            multiple of 64, ``fixed_split_size`` or ``disable_split_kv`` beside it, a row that ``rope_positions``
+            starts off the grid, a Cascade that cannot be flattened.
         """
         variant = _PLAIN if variant is None else variant
+        split = check_deterministic(deterministic, split_size, fixed_split_size, disable_split_kv)
         levels = _levels(layout)
+        checks = []
+        slots_of = None
+        if split is not None:
+            if isinstance(layout, Cascade):  # run checks k and v as the levels' pool, then views it per slot
+                checks = [make_spec(level, num_qo_heads, num_kv_heads, head_dim, _level_variant(layout, i, variant),
+                                    q_dtype, kv_dtype, kv_layout) for i, level in enumerate(levels)]
+                slots_of, kv_layout = kv_layout, "NHD"
+            layout = _deterministic_layout(layout, rope_positions)
+            levels = (layout,)
         args = (num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout)
         # The very objects the previous step passed were checked then (identity, not equality: 4.0 == 4).
         same = bool(self._args) and all(map(operator.is_, args, self._args))
@@ -273,17 +347,21 @@ class BatchAttention:
             else:
                 spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, level_variant, q_dtype, kv_dtype,
                                  kv_layout)
-            spec = _positioned(layout, i, spec, rope_positions)
+            spec = replace(_positioned(layout, i, spec, rope_positions), split_size=split)
+            if split is not None and spec.rope_positions is not None:
+                check_on_grid(spec.rope_positions[1], split, "rope_positions[1] (kv_offsets)")
             options = dict(self.backend.plan_options(spec))
             if num_ctas is not None:
                 options.update(num_ctas=num_ctas, min_split_size=1, kv_align=1, busy_ctas=num_ctas)
             # A layout's lengths were checked when it was built: only the options are checked here.
-            work_plan = scheduler._plan_valid(level.qo_lens, level.kv_lens, fixed_split_size=fixed_split_size,
+            work_plan = scheduler._plan_valid(level.qo_lens, level.kv_lens,
+                                              fixed_split_size=fixed_split_size if split is None else split,
                                               disable_split_kv=disable_split_kv, **options)
             previous = self._runners[i] if i < len(self._runners) else None
             runners.append(self.backend.make_runner(spec, work_plan, previous=previous))
             specs.append(spec)
         self._args, self._specs, self._runners = args, specs, runners
+        self._checks, self._slots_of = checks or specs, slots_of
 
     @property
     def work_plans(self) -> list[WorkPlan]:
@@ -331,8 +409,10 @@ class BatchAttention:
         if not self._runners:
             raise RuntimeError("BatchAttention.run called before plan()")
         run_kwargs = dict(k_scale=k_scale, v_scale=v_scale)
-        for spec in self._specs:
+        for spec in self._checks:
             spec.check_run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
+        if self._slots_of is not None:
+            k, v = _slot_view(k, self._slots_of), _slot_view(v, self._slots_of)
         variant = self._specs[-1].variant
         if len(self._runners) == 1 and variant.sinks is None:
             o, s = self._runners[0].run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)

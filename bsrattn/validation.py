@@ -17,6 +17,11 @@ from bsrattn.layout import INT32_MAX, BSRLayout, as_index_array, as_int
 from bsrattn.variant import Variant, as_real
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+SPLIT_ALIGN = 64
+"""Deterministic mode's ``split_size`` is a multiple of this: every tier's KV tile (the torch tier's 32 or 64
+keys, the numba tier's at most 64) then starts at the same absolute positions in every chunk."""
+DEFAULT_SPLIT_SIZE = 1024
+"""Deterministic mode's chunk grid when the call gives none: a constant, so that calls that leave it out agree."""
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 KV_LAYOUTS = ("NHD", "HND")
 
@@ -96,6 +101,8 @@ class AttentionSpec:
     # Where fused RoPE turns the queries and keys when not at the layout's own positions: a Cascade level's
     # (q_positions [nnz_qo], kv_offsets [R]), Cascade.rope_positions. None: rope_frame's default.
     rope_positions: tuple | None = field(default=None, compare=False)
+    # Deterministic mode's chunk grid (KV slots per chunk, at absolute positions; check_deterministic), or None.
+    split_size: int | None = None
 
     def rope_frame(self) -> tuple:
         """``(q_positions [nnz_qo], kv_offsets [R])`` int64: the position fused RoPE turns each query row at, and
@@ -252,6 +259,50 @@ def check_rope_positions(layout: BSRLayout, variant: Variant, rope_positions) ->
         r = int(np.argmax(ends))
         raise ValueError(f"rope_positions[1] (kv_offsets) puts row {r}'s last slot at {int(ends[r]) - 1}, past int32")
     return tuple(pair)
+
+
+def check_deterministic(deterministic, split_size, fixed_split_size=None, disable_split_kv=False) -> int | None:
+    """Deterministic mode's chunk grid for a call's or a plan's arguments: None when the mode is off.
+
+    ``split_size`` (default :data:`DEFAULT_SPLIT_SIZE`) must be a multiple of :data:`SPLIT_ALIGN`; it comes only
+    with ``deterministic=True``, and the mode cuts KV on its own grid, so ``fixed_split_size`` and
+    ``disable_split_kv`` are refused beside it. Errors name the argument and its value.
+
+    >>> check_deterministic(True, None), check_deterministic(False, None)
+    (1024, None)
+    """
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if not deterministic:
+        if split_size is not None:
+            raise ValueError(f"split_size={split_size!r} is deterministic mode's chunk grid: pass deterministic=True "
+                             f"with it (fixed_split_size fixes the chunks of a normal plan)")
+        return None
+    if fixed_split_size is not None:
+        raise ValueError(f"fixed_split_size={fixed_split_size!r} with deterministic=True: deterministic mode cuts KV "
+                         f"on its own grid; give split_size instead")
+    if disable_split_kv:
+        raise ValueError("disable_split_kv=True with deterministic=True: deterministic mode cuts every row on its "
+                         "chunk grid (split_size); a split_size as long as the longest row splits none")
+    size = DEFAULT_SPLIT_SIZE if split_size is None else as_int("split_size", split_size, minimum=1,
+                                                                  maximum=INT32_MAX)
+    if size % SPLIT_ALIGN:
+        raise ValueError(f"split_size={size} must be a multiple of {SPLIT_ALIGN}, so that the chunk grid falls on "
+                         f"every tier's KV tiles")
+    return size
+
+
+def check_on_grid(kv_offsets, split_size: int, what: str) -> None:
+    """Raise unless every row's first slot (``kv_offsets [R]``, absolute positions) lies on deterministic mode's
+    chunk grid: a row that starts between two grid points would be cut at other places than the same keys in
+    one call, and its bits would differ. ``what`` names where the offsets come from."""
+    offsets = np.asarray(kv_offsets, dtype=np.int64)
+    off = np.flatnonzero(offsets % split_size)
+    if off.size:
+        r = int(off[0])
+        at = int(offsets[r])
+        raise ValueError(f"{what}: row {r} starts at KV position {at}, not on the deterministic chunk grid (every "
+                         f"{split_size} slots: {at // split_size * split_size} or {(at // split_size + 1) * split_size})")
 
 
 def _dtype_arg(name, dtype, supported) -> str:

@@ -38,7 +38,10 @@ class Runner:
         self.work_plan = work_plan
         layout = spec.layout
         heights = work_plan.item_qo_end - work_plan.item_qo_start
-        self.item_rows = int(heights.max()) if heights.size else 1
+        # Deterministic mode: the KV tile must not depend on the plan (config.choose_tiles sizes it by the query
+        # rows it holds), so every plan takes the tallest query tile's.
+        self.item_rows = (config.query_tile_rows(spec.group_size) if spec.split_size is not None
+                          else int(heights.max()) if heights.size else 1)
         variant = spec.variant
         rope_q, rope_offsets = spec.rope_frame() if variant.use_rope else ([], None)
         self._plan_args = (arrays.resident(work_plan.cta_indptr, np.int32),
