@@ -45,6 +45,9 @@ CONFIGS = {
     "decode fp16 + fp8-e4m3 KV, fused RoPE, G4": ("float16", "float8_e4m3fn", 128, 4, 4, "NHD", 16, dict(rope=True)),
     "prefill bf16, causal, fused RoPE, d64": ("bfloat16", "bfloat16", 64, 4, 32, "NHD3", 1,
                                               dict(causal=True, rope=True)),
+    "deterministic decode fp16, G4": ("float16", "float16", 128, 4, 1, "NHD", 16, dict(deterministic=True)),
+    "deterministic prefill bf16, causal, sliding window": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1,
+                                                           dict(deterministic=True, causal=True, window_left=100)),
 }
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 WORKERS = 2
@@ -67,7 +70,7 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
         soft_cap=flags.get("soft_cap", False), alibi=flags.get("alibi", False), sigmoid=flags.get("sigmoid", False),
         rope=flags.get("rope", False), custom_mask=flags.get("custom_mask", False),
         store_lse=flags.get("store_lse", not flags.get("sigmoid")), dense_rows=flags.get("dense_rows", True),
-        merges=flags.get("merges", True))
+        merges=flags.get("merges", True), deterministic=flags.get("deterministic", False))
     kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
                 "NHD3": (blocks, hkv, head_dim)}[view]
     q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))
@@ -102,7 +105,7 @@ def _compile(fn, args, kwargs):
     from notebooks.sm90 import specialised  # Triton's JIT specialisation, written once beside the notebook
 
     kwargs = dict(kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion") if key in kwargs}
     signature, constexprs, attrs = specialised(fn, args, kwargs)
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 64),
                             options=options)
