@@ -19,6 +19,7 @@ from benchmarks.records import RESULTS_DIR, config_label, load_results  # noqa: 
 ORDER = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
          "w7_cpu_models", "w8_run_host", "w9_transformers", "w10_variants")
 NO_SPLIT = "-no-split"
+DETERMINISTIC = "-deterministic"
 STATUS_MARK = {"unavailable": "n/a", "error": "error", "incorrect": "WRONG", "skipped": "skipped"}
 
 
@@ -140,16 +141,21 @@ def table_w3(payload) -> list:
 def table_w4(payload) -> list:
     table = Table(payload["records"])
     pairs = [(c[: -len(NO_SPLIT)], c) for c in table.columns if c.endswith(NO_SPLIT)]
-    others = [c for c in table.columns if all(c not in p for p in pairs)]
+    costs = [(c[: -len(DETERMINISTIC)], c) for c in table.columns if c.endswith(DETERMINISTIC)]
+    others = [c for c in table.columns if all(c not in p for p in pairs + costs)]
     header = ["configuration"]
     for planned, unsplit in pairs:
         header += [f"{planned} µs", f"{unsplit} µs", "speedup"]
+    for _, deterministic in costs:
+        header += [f"{deterministic} µs", "deterministic / planned"]
     header += [f"{c} µs" for c in others]
     lines = []
     for row, recs in table.rows.items():
         line = [row]
         for planned, unsplit in pairs:
             line += [table.cell(row, planned), table.cell(row, unsplit), _speedup(recs.get(unsplit), recs.get(planned))]
+        for planned, deterministic in costs:
+            line += [table.cell(row, deterministic), _speedup(recs.get(deterministic), recs.get(planned))]
         lines.append(line + [table.cell(row, c) for c in others])
     return markdown(header, lines) + _notes(table)
 

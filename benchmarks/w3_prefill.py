@@ -14,7 +14,8 @@ against the same pages as one paged layout (each request's table: the prefix's p
 Implementations, each checked against the float64 reference, then timed in graph and eager mode:
 
 - ``bsrattn-torch``: ``ba.layouts.ragged`` (Bc = 1, KV contiguous per request), planned once; in the full run
-  also ``ba.layouts.paged`` with page 16 (``kv_layout=paged`` rows).
+  also ``ba.layouts.paged`` with page 16 (``kv_layout=paged`` rows); ``bsrattn-torch-deterministic``, the same
+  ragged call in deterministic mode (default ``split_size``).
 - ``flashinfer-fa2``, ``flashinfer-fa3``: ``BatchPrefillWithRaggedKVCacheWrapper`` (paged: ``...PagedKVCache...``)
   with ``backend="fa2"`` / ``"fa3"``.
 - ``sdpa``: PyTorch's default SDPA (cuDNN / flash) batched when the lengths are equal, else one call per request
@@ -271,6 +272,9 @@ def run(suite) -> None:
             suite.measure(config, f"flashinfer-{backend}", partial(build_flashinfer, case, backend), out=case.out,
                           needs_cuda=True, **case.check_args())
         if kv_layout == "ragged":
+            harness.measure_bsrattn(suite, config, f"bsrattn-{tier}-deterministic", tier, case.layout, case.q,
+                                    case.k, case.v, plan=dict(plan, deterministic=True), out=case.out,
+                                    **case.check_args())
             suite.measure(config, "sdpa", partial(build_sdpa, case), view=_sdpa_view(case), **case.check_args())
         del case
 

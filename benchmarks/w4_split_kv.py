@@ -8,11 +8,13 @@ win by several times at batch 1 and tie once the batch fills the GPU.
 
 Implementations, each checked against the float64 reference, then timed in graph and eager mode:
 
-- ``bsrattn-torch`` (planned) and ``bsrattn-torch-no-split``;
+- ``bsrattn-torch`` (planned), ``bsrattn-torch-no-split``, and ``bsrattn-torch-deterministic`` (the planned call in
+  deterministic mode at its default ``split_size``: what partition invariance costs);
 - ``flashinfer-tensor-core`` and ``flashinfer-tensor-core-no-split`` (its ``disable_split_kv``), and in the full
   run ``flashinfer-cuda-core``.
 
-The report gives each pair's speedup: ``<name>-no-split`` time / ``<name>`` time.
+The report gives each pair's speedup, ``<name>-no-split`` time / ``<name>`` time, and deterministic mode's cost,
+``<name>-deterministic`` time / ``<name>`` time (FlashInfer's way to the same invariance is its no-split mode).
 
 Run: ``python3 benchmarks/w4_split_kv.py [--quick]``.
 """
@@ -46,6 +48,7 @@ def run(suite) -> None:
         tier = "reference" if suite.dry_run else "torch"
         measure_bsrattn(suite, config, case, tier)
         measure_bsrattn(suite, config, case, tier, name=f"bsrattn-{tier}-no-split", disable_split_kv=True)
+        measure_bsrattn(suite, config, case, tier, name=f"bsrattn-{tier}-deterministic", deterministic=True)
         suite.measure(config, "flashinfer-tensor-core", partial(build_flashinfer, case, tensor_cores=True),
                       out=case.out, needs_cuda=True, **case.check_args())
         suite.measure(config, "flashinfer-tensor-core-no-split",
