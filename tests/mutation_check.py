@@ -150,7 +150,7 @@ MUTANTS = (
            "    return replace(spec, rope_positions=None)",
            ("tests/test_tiers.py::test_fused_rope_at_given_positions[reference]",)),
     Mutant("the kernel without merges for a plan that splits rows", "bsrattn/torch_cuda/runner.py",
-           "merges=self.work_plan.num_merges > 0)", "merges=False)", TORCH),
+           "merges=self.work_plan.num_merges > 0,", "merges=False,", TORCH),
     Mutant("no warning when a graph's merge-free kernel meets a plan that splits", "bsrattn/torch_cuda/runner.py",
            "if buffers.captured_without_merges and work_plan.num_merges:", "if False:",
            ("tests/test_torch_tier.py::test_a_prefill_plan_that_splits_no_row_runs_the_kernel_without_merges",)),
@@ -259,7 +259,7 @@ MUTANTS = (
            "for redo in (False,):",
            special("test_hidden_keys_leave_the_bits_unchanged[torch-NaN v of a causally hidden key]")),
     Mutant("an empty state's o read: numba merge", "bsrattn/numba_cuda/merge.py",
-           "t_a = zero if s_a == neg_inf else w_a * o_a", "t_a = w_a * o_a",
+           "weighted = t_b if s_a == neg_inf else ops.fma(w_a, o_a, t_b)", "weighted = ops.fma(w_a, o_a, t_b)",
            special("test_merge_special_states[numba]")),
     # plans
     Mutant("plan covers a slot twice: chunk ends one past the next start", "bsrattn/scheduler.py",
