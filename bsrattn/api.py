@@ -266,11 +266,11 @@ class BatchAttention:
         same query as a row of a causal prefill over the same keys, one call or KV pieces merged with
         :func:`merge_state` (in KV order, each piece after the first within one chunk of the grid, the states in
         float32). Each row's KV is cut on a grid fixed at absolute positions, every ``split_size`` slots; each
-        chunk's state is computed alone with one tile configuration per tier (whatever the plan's shape) and
-        its sums in a fixed order; the chunks' states are folded left to right with ⊕. A Cascade runs as its
-        flattened layout (:meth:`Cascade.flatten`: each query's keys of every level in order), so the grid runs
-        through its levels; the shared prefix is then read once per request, as in flat KV. A row that
-        ``rope_positions`` starts off the grid is refused. The grid is the tier's: bits agree within a tier.
+        chunk's state is computed alone, with arithmetic whose bits do not depend on the tile the row sits in;
+        the chunks' states are folded left to right with ⊕. A Cascade runs as its flattened layout
+        (:meth:`Cascade.flatten`: each query's keys of every level in order), so the grid runs through its
+        levels; each request then reads the shared prefix itself, as in flat KV. A row that ``rope_positions``
+        starts off the grid is refused. The bits are each tier's own: tiers agree with each other to rounding.
 
         Ints (heads, ``head_dim``, ``num_ctas``, ``fixed_split_size``) may be NumPy integers but not floats or
         bools; ``q_dtype``/``kv_dtype`` may be names, torch dtypes or NumPy dtypes. ``num_ctas`` is at most

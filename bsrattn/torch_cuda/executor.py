@@ -59,6 +59,11 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
    stack become 252 and none on sm_90 (the merge's fold was the high-water mark): prefill 643 -> 609 /
    1560 -> 1478 us (16 x 1024 / 1 x 8192, one lease).
 
+10. ``73425e7`` deterministic mode (``DETERMINISTIC``): the running sum as ``p @ 1`` on the tensor cores and no
+    FMA fusion, so a row's bits do not depend on its tile; the normal tiles kept. W4 (fp16 decode, KV ~
+    U(4k, 16k)) 1.01x the normal call at batch 1, 1.26-1.32x from batch 8: the grid's partial states (a
+    fixed 64-row tile for every plan, tried first, cost 1.4-2x).
+
 Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
 per query tile).
 """
