@@ -4,8 +4,8 @@ Must match :mod:`bsrattn.reference.merge` (``merge_state``, ``merge_states``, ``
 shift, natural log, a state with ``lse = -inf`` is the identity, and folds run in index order, never in
 completion order, so results are deterministic. Arithmetic is float32; ``o`` comes back in its input dtype
 and ``lse`` as float32. The merge kernels compile without FMA fusion, as the attention kernel does in
-deterministic mode: a fold in the kernel and the same ⊕ of :func:`merge_state` round alike (``m + log(total)``
-would otherwise fuse with the logarithm's scaling in one and not the other).
+deterministic mode, so that a fold in the kernel and the same ⊕ of :func:`merge_state` round alike: where the
+compiler fuses a multiply into an add depends on the code around it.
 """
 
 from __future__ import annotations
