@@ -172,6 +172,9 @@ MUTANTS = (
            "lo = lo + (first_key - lo) // BLOCK_N * BLOCK_N", "lo = first_key",
            ("tests/test_deterministic.py::test_a_window_cuts_its_keys_into_the_same_tiles_in_a_decode_step_and_a_"
             "prefill[torch]",)),
+    Mutant("a deterministic cascade's HND pool viewed per slot as if NHD", "bsrattn/api.py",
+           "        x = x.swapaxes(1, 2)\n", "        pass\n",
+           ("tests/test_deterministic.py::test_a_cascade_over_an_hnd_pool_is_its_nhd_pool_viewed_per_slot",)),
     Mutant("a split_size off the tiles accepted", "bsrattn/validation.py", "    if size % SPLIT_ALIGN:", "    if False:",
            ("tests/test_deterministic.py::test_bad_deterministic_arguments_are_refused",)),
     Mutant("a row that starts off the chunk grid accepted", "bsrattn/validation.py",

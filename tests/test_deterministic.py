@@ -185,6 +185,19 @@ def test_a_cascade_agrees_with_the_same_keys_in_one_paged_layout(tier):
     check()
 
 
+def test_a_cascade_over_an_hnd_pool_is_its_nhd_pool_viewed_per_slot():
+    rng = np.random.default_rng(2)
+    cascade = ba.layouts.shared_prefix([1, 2], [3, 0], 2 * PAGE, [[1], [2, 4]], [9, 20], PAGE, 5)
+    q = rng.standard_normal((3, HQ, D))
+    k, v = (rng.standard_normal((5, PAGE, HKV, D)) for _ in range(2))
+    nhd = ba.attention(q, k, v, cascade, return_lse=True, deterministic=True, split_size=64)
+    hnd = ba.attention(q, k.transpose(0, 2, 1, 3).copy(), v.transpose(0, 2, 1, 3).copy(), cascade, kv_layout="HND",
+                       return_lse=True, deterministic=True, split_size=64)
+    assert all(np.array_equal(a, b) for a, b in zip(nhd, hnd))
+    want = ba.attention(q, k, v, cascade, return_lse=True)
+    assert np.allclose(nhd[0], want[0]) and np.allclose(nhd[1], want[1])
+
+
 @st.composite
 def kv_pieces(draw):
     split = draw(st.sampled_from([64, 128]))
