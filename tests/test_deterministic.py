@@ -13,6 +13,8 @@ in bf16 on the H200, CUDA graph replays across re-plans included.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -243,6 +245,35 @@ def test_one_shot_attention_is_the_planned_call():
     default = ba.BatchAttention("reference")
     default.plan(layout, HQ, HKV, D, deterministic=True)
     assert default.work_plans[0].kv_chunk_size == DEFAULT_SPLIT_SIZE
+
+
+def test_a_whole_row_folds_its_chunks_as_a_plan_that_cuts_it():
+    """``whole_rows`` plans a row the batch does not need cut as one item (the torch tier's deterministic plans);
+    the executor folds its chunks of the grid itself: the same bits as the plan cut at every grid point."""
+    from bsrattn.reference import execute
+    from bsrattn.validation import make_spec
+
+    rng = np.random.default_rng(5)
+    layout = ba.layouts.ragged([1, 3, 1], [700, 300, 90])
+    q, k, v = rng.standard_normal((5, HQ, D)), rng.standard_normal((1090, HKV, D)), rng.standard_normal((1090, HKV, D))
+    spec = replace(make_spec(layout, HQ, HKV, D, ba.Variant(causal=True)), split_size=128)
+    cut = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=40, fixed_split_size=128)
+    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, tile_q=16, fixed_split_size=128,
+                              whole_rows=True)
+    assert whole.num_merges == 0 < cut.num_merges and (whole.item_kv_end - whole.item_kv_start).max() == 700
+    for got, want in zip(execute(whole, spec, q, k, v), execute(cut, spec, q, k, v)):
+        assert np.array_equal(got, want)
+
+
+def test_the_numba_tier_refuses_a_deterministic_plan_of_items_longer_than_a_chunk():
+    from bsrattn.validation import make_spec
+
+    numba_tier = load_tier("numba")
+    layout = ba.layouts.ragged([1], [300])
+    spec = replace(make_spec(layout, HQ, HKV, D), split_size=128)
+    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, fixed_split_size=128, whole_rows=True)
+    with pytest.raises(ValueError, match="runs items of one chunk of the grid"):
+        numba_tier.backend.make_runner(spec, whole)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -70,7 +70,7 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
         soft_cap=flags.get("soft_cap", False), alibi=flags.get("alibi", False), sigmoid=flags.get("sigmoid", False),
         rope=flags.get("rope", False), custom_mask=flags.get("custom_mask", False),
         store_lse=flags.get("store_lse", not flags.get("sigmoid")), dense_rows=flags.get("dense_rows", True),
-        merges=flags.get("merges", True), deterministic=flags.get("deterministic", False))
+        merges=flags.get("merges", True), grid=1024 if flags.get("deterministic") else 0)
     kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
                 "NHD3": (blocks, hkv, head_dim)}[view]
     q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))

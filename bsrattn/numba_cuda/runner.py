@@ -38,6 +38,11 @@ class Runner:
         self.work_plan = work_plan
         layout = spec.layout
         heights = work_plan.item_qo_end - work_plan.item_qo_start
+        if spec.split_size is not None and work_plan.num_items and \
+                int((work_plan.item_kv_end - work_plan.item_kv_start).max()) > spec.split_size:
+            raise ValueError(f"the numba tier's deterministic kernel runs items of one chunk of the grid "
+                             f"(split_size={spec.split_size}); this plan has longer ones: plan with the tier's "
+                             f"own options (BatchAttention.plan)")
         # Deterministic mode: the KV tile must not depend on the plan (config.choose_tiles sizes it by the query
         # rows it holds), so every plan takes the tallest query tile's.
         self.item_rows = (config.query_tile_rows(spec.group_size) if spec.split_size is not None

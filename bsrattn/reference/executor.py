@@ -22,6 +22,22 @@ from bsrattn.reference.merge import merge_state, sum_states
 from bsrattn.reference.microkernel import attend_chunk, attend_range
 
 
+def grid_state(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_end, dtype=np.float64):
+    """Deterministic mode's state of an item: its KV in chunks of the grid (``spec.split_size``), each chunk's
+    state by :func:`~bsrattn.reference.microkernel.attend_chunk`, folded left to right with ⊕ (added, for
+    FlashSigmoid) — the states and the order of a plan that cuts the row at every grid point. (The torch tier
+    plans a row the batch does not need cut as one item; other plans hold one chunk per item.)"""
+    size = spec.split_size
+    starts = list(range(kv_start, kv_end, size)) or [kv_start]
+    o, s = attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, starts[0], min(starts[0] + size, kv_end),
+                        dtype)
+    for start in starts[1:]:
+        o_c, s_c = attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, start, min(start + size, kv_end),
+                                dtype)
+        o, s = (o + o_c, s) if spec.variant.use_sigmoid else merge_state(o, s, o_c, s_c)
+    return o, s
+
+
 def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.float64):
     """Run ``work_plan`` on ``q [nnz_qo, Hq, D]``, ``k, v`` (any accepted storage); ``(o, lse)`` in ``dtype``."""
     k_slots = kv_as_slots(k, spec, k_scale, dtype)
@@ -35,8 +51,8 @@ def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.fl
     rows = (work_plan.item_qo_end - work_plan.item_qo_start).astype(np.int64)
     sizes = rows * (work_plan.item_kv_end - work_plan.item_kv_start)
     progress = Progress("reference executor", int(sizes.sum()))
-    # Deterministic mode: each item is one chunk of the grid, computed row by row (attend_chunk).
-    state_of = attend_range if spec.split_size is None else attend_chunk
+    # Deterministic mode: an item's chunks of the grid, each computed row by row, folded (grid_state).
+    state_of = attend_range if spec.split_size is None else grid_state
     for cta in range(work_plan.num_ctas):
         for w in range(work_plan.cta_indptr[cta], work_plan.cta_indptr[cta + 1]):
             qs, qe = int(work_plan.item_qo_start[w]), int(work_plan.item_qo_end[w])

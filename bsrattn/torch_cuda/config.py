@@ -128,7 +128,8 @@ def num_sms(device=None) -> int:
 
 
 def plan_options(spec, device=None) -> dict:
-    """Scheduler options for ``spec``: ``num_ctas`` (per KV head), ``tile_q``, ``min_split_size``, ``kv_align``.
+    """Scheduler options for ``spec``: ``num_ctas`` (per KV head), ``tile_q``, ``min_split_size``, ``kv_align``,
+    ``busy_ctas`` (decode), and ``whole_rows`` (deterministic mode: the kernel folds a whole row's chunks itself).
 
     Examples
     --------
@@ -153,14 +154,16 @@ def plan_options(spec, device=None) -> dict:
         sms = num_sms(device)
         few_pairs = spec.layout.num_rows * spec.num_kv_heads * DECODE_FEW_PAIRS_PER <= sms
         return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=DECODE_MIN_SPLIT,
-                    kv_align=block_n, busy_ctas=max(1, min(ctas, sms // spec.num_kv_heads)) if few_pairs else ctas)
+                    kv_align=block_n, busy_ctas=max(1, min(ctas, sms // spec.num_kv_heads)) if few_pairs else ctas,
+                    whole_rows=spec.split_size is not None)
     tile_q = max(1, m // spec.group_size)
     # As many query tiles as CTAs or more: every CTA has whole tiles to run, so no row is split (a chunk as long
     # as the longest row), and the kernel carries no merges (LaunchConfig.merges). Fewer tiles (a short prefill
     # over a long cache): the rows are split so that every CTA streams.
     query_tiles = int(np.sum(-(-qo // tile_q)))
     min_split = int(spec.layout.kv_lens.max(initial=1)) if query_tiles >= ctas else 1
-    return dict(num_ctas=ctas, tile_q=tile_q, min_split_size=max(1, min_split), kv_align=1)
+    return dict(num_ctas=ctas, tile_q=tile_q, min_split_size=max(1, min_split), kv_align=1,
+                whole_rows=spec.split_size is not None)
 
 
 KV_VIEWS = ("NHD", "HND", "NHD3")
@@ -200,14 +203,21 @@ class LaunchConfig:
     Without them the kernel keeps fewer values live (a prefill tile's 255 registers and 80 bytes of stack become
     251 registers and none on sm_90), but runs only plans that split nothing: a graph captured without them must
     be recaptured for a plan that splits (the runner warns)."""
-    deterministic: bool = False
-    """Deterministic mode (``AttentionSpec.split_size``): a row's bits must not depend on the tile it sits in.
+    grid: int = 0
+    """Deterministic mode's chunk grid (``AttentionSpec.split_size``; 0 in normal mode): an item longer than a
+    chunk folds its chunks' states itself, one by one (``scheduler.plan``'s ``whole_rows``). In this mode a
+    row's bits must not depend on the tile it sits in.
     The dots already do not: measured on the H200, ``q @ k^T`` and ``p @ v`` give the same bits per element
     whether ``mma`` (16 rows) or ``wgmma`` (64 or 128 rows) computes them, on 1 to 8 warps. What does: a row sum
     (``tl.sum``) split over warps, and where the compiler fuses a multiply with an add (it depends on the code
     around: a tile run with masks and the same tile without would round differently). So the softmax's
     running sum is taken on the tensor cores too (``p @ 1``, the weights ``p @ v`` uses) and the kernel compiles
     without FMA fusion (Triton's ``enable_fp_fusion``)."""
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether this is a deterministic launch (``grid`` > 0)."""
+        return self.grid > 0
 
     @property
     def hidden_keys(self) -> bool:

@@ -63,6 +63,8 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
     FMA fusion, so a row's bits do not depend on its tile; the normal tiles kept. W4 (fp16 decode, KV ~
     U(4k, 16k)) 1.01x the normal call at batch 1, 1.26-1.32x from batch 8: the grid's partial states (a
     fixed 64-row tile for every plan, tried first, cost 1.4-2x).
+11. Deterministic plans keep whole the rows the batch does not need cut, and the kernel folds their chunks of
+    the grid in registers (``GRID``): no partial states for them. Not yet measured on the H200.
 
 Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
 per query tile).
@@ -82,7 +84,7 @@ from bsrattn.torch_cuda import microkernel
 from bsrattn.torch_cuda.config import interpreter_turn, interpreting
 from bsrattn.torch_cuda.gather import block_size_constexpr, kv_strides
 from bsrattn.torch_cuda.indexing import query_position, tile_head, tile_query
-from bsrattn.torch_cuda.merge import fold_partials
+from bsrattn.torch_cuda.merge import fold_partials, merge_pair
 
 # Offsets of the item-row fields (bsrattn.items.ITEM_FIELDS), as compile-time constants of the kernel.
 _STRIDE = tl.constexpr(ITEM_STRIDE)
@@ -128,7 +130,7 @@ def persistent_attention(
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr,
         STORE_LSE: tl.constexpr, DENSE_ROWS: tl.constexpr, MERGES: tl.constexpr, PRECISION: tl.constexpr,
-        DETERMINISTIC: tl.constexpr, REDO: tl.constexpr):
+        DETERMINISTIC: tl.constexpr, GRID: tl.constexpr, REDO: tl.constexpr):
     # sync, in blocks of merge_rows rows (the buffers' merge capacity): the first counts a merge's partial
     # states as they land, the second the same in the second launch, the third flags the merges whose output
     # came out non-finite; then one row per item flags such items.
@@ -207,14 +209,36 @@ def persistent_attention(
             slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
             if ALIBI:
                 slopes = tl.load(alibi_ptr + head, mask=valid_m, other=0.0)
-            o, lse = microkernel.attend_range(
-                q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset, k_head, v_head, kv_indices,
-                row_block_start, first_slot, block_size, lo, hi, kv_len, mask_ptr, mask_start, stride_kb, stride_ks,
-                stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H,
-                BLOCK_SIZE=BLOCK_SIZE, DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP,
-                ALIBI=ALIBI, SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
-                DETERMINISTIC=DETERMINISTIC, DROP_HIDDEN=REDO)
+            # Deterministic mode: the item's KV in the grid's chunks, each chunk's state folded into the item's,
+            # left to right: the states and the order of a plan that cuts the row at every grid point, whose
+            # merge folds them with the same ⊕. Normal mode: one pass over lo:hi (a loop of one trip, which the
+            # compiler removes).
+            chunk_lo = lo
+            chunk_step = hi - lo
+            n_chunks = 1
+            if DETERMINISTIC:
+                chunk_lo = kv_start + (lo - kv_start) // GRID * GRID
+                chunk_step = GRID
+                n_chunks = tl.cdiv(hi - chunk_lo, GRID)
+            o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            for c in range(0, n_chunks):
+                c0 = chunk_lo + c * chunk_step
+                o_c, lse_c = microkernel.attend_range(
+                    q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset, k_head, v_head, kv_indices,
+                    row_block_start, first_slot, block_size, tl.maximum(lo, c0), tl.minimum(hi, c0 + chunk_step),
+                    kv_len, mask_ptr, mask_start, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                    qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
+                    HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H,
+                    BLOCK_SIZE=BLOCK_SIZE, DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                    SOFT_CAP=SOFT_CAP, ALIBI=ALIBI, SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK,
+                    PRECISION=PRECISION, DETERMINISTIC=DETERMINISTIC, DROP_HIDDEN=REDO)
+                if not DETERMINISTIC:
+                    o, lse = o_c, lse_c
+                elif SIGMOID:
+                    o = o + o_c
+                else:
+                    o, lse = merge_pair(o, lse, o_c, lse_c)
             if HIDDEN_KEYS and not REDO:
                 if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:  # a non-finite row: the second launch redoes the item
                     tl.store(item_flags + w * num_kv_heads + kv_head, 1)
@@ -284,7 +308,7 @@ def constexprs(config, q_dtype, redo: bool = False) -> dict:
                 CUSTOM_MASK=config.custom_mask,
                 STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows, MERGES=config.merges,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32", DETERMINISTIC=config.deterministic,
-                REDO=redo)
+                GRID=max(config.grid, 1), REDO=redo)
 
 
 def launch_args(q, k, v, out, lse, buffers, config, scalars):
