@@ -155,7 +155,7 @@ MUTANTS = (
            "if buffers.captured_without_merges and work_plan.num_merges:", "if False:",
            ("tests/test_torch_tier.py::test_a_prefill_plan_that_splits_no_row_runs_the_kernel_without_merges",)),
     Mutant("a small decode batch balanced over every CTA", "bsrattn/torch_cuda/config.py",
-           "busy_ctas=max(1, min(ctas, sms // spec.num_kv_heads)) if few_pairs else ctas)", "busy_ctas=ctas)",
+           "busy_ctas=max(1, min(ctas, sms // spec.num_kv_heads)) if few_pairs else ctas,", "busy_ctas=ctas,",
            ("tests/test_torch_tier.py::test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm",)),
     Mutant("the idle CTAs handed the first items", "bsrattn/scheduler.py",
            "idle = np.full(num_ctas - busy, work_plan.cta_indptr[-1], dtype=work_plan.cta_indptr.dtype)",
