@@ -247,22 +247,42 @@ def test_one_shot_attention_is_the_planned_call():
     assert default.work_plans[0].kv_chunk_size == DEFAULT_SPLIT_SIZE
 
 
-def test_a_whole_row_folds_its_chunks_as_a_plan_that_cuts_it():
-    """``whole_rows`` plans a row the batch does not need cut as one item (the torch tier's deterministic plans);
-    the executor folds its chunks of the grid itself: the same bits as the plan cut at every grid point."""
-    from bsrattn.reference import execute
+@pytest.mark.parametrize("name", ["reference", "torch"])
+@pytest.mark.parametrize("variant", [ba.Variant(causal=True), ba.Variant(causal=True, window_left=150)],
+                         ids=["causal", "window"])
+def test_a_whole_row_folds_its_chunks_as_a_plan_that_cuts_it(name, variant):
+    """An item of several chunks of the grid (the torch tier's deterministic plans, ``grid_multiples``): the
+    executor folds its chunks itself, with the same bits as the plan cut at every grid point."""
     from bsrattn.validation import make_spec
 
+    tier = load_tier(name)
     rng = np.random.default_rng(5)
     layout = ba.layouts.ragged([1, 3, 1], [700, 300, 90])
-    q, k, v = rng.standard_normal((5, HQ, D)), rng.standard_normal((1090, HKV, D)), rng.standard_normal((1090, HKV, D))
-    spec = replace(make_spec(layout, HQ, HKV, D, ba.Variant(causal=True)), split_size=128)
+    q, k, v = (tier.array(rng.standard_normal(shape), DTYPE[name])
+               for shape in ((5, HQ, D), (1090, HKV, D), (1090, HKV, D)))
+    spec = replace(make_spec(layout, HQ, HKV, D, variant, q_dtype=DTYPE[name]), split_size=128)
     cut = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=40, fixed_split_size=128)
     whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, tile_q=16, fixed_split_size=128,
-                              whole_rows=True)
+                              grid_multiples=True)
     assert whole.num_merges == 0 < cut.num_merges and (whole.item_kv_end - whole.item_kv_start).max() == 700
-    for got, want in zip(execute(whole, spec, q, k, v), execute(cut, spec, q, k, v)):
-        assert np.array_equal(got, want)
+    results = [tier.backend.make_runner(spec, plan).run(q, k, v, return_lse=True) for plan in (whole, cut)]
+    for got, want in zip(*results):
+        assert np.array_equal(tier.numpy(got), tier.numpy(want))
+
+
+def test_a_deterministic_kernel_keeps_its_merges_for_a_plan_that_splits_nothing():
+    """A CUDA graph captured on a deterministic plan replays the later plans of its buffers, and which rows a
+    plan cuts changes with the batch: the kernel keeps its partial-state stores and merges even when this plan
+    needs none."""
+    from bsrattn.validation import make_spec
+
+    tier = load_tier("torch")
+    layout = ba.layouts.ragged([1, 1], [300, 90])
+    spec = replace(make_spec(layout, HQ, HKV, D, q_dtype="float32"), split_size=128)
+    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, fixed_split_size=128, grid_multiples=True)
+    assert whole.num_merges == 0
+    runner = tier.backend.make_runner(spec, whole)
+    assert runner.launch_config("float32", "NHD3", True).merges
 
 
 def test_the_numba_tier_refuses_a_deterministic_plan_of_items_longer_than_a_chunk():
@@ -271,7 +291,7 @@ def test_the_numba_tier_refuses_a_deterministic_plan_of_items_longer_than_a_chun
     numba_tier = load_tier("numba")
     layout = ba.layouts.ragged([1], [300])
     spec = replace(make_spec(layout, HQ, HKV, D), split_size=128)
-    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, fixed_split_size=128, whole_rows=True)
+    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, fixed_split_size=128, grid_multiples=True)
     with pytest.raises(ValueError, match="runs items of one chunk of the grid"):
         numba_tier.backend.make_runner(spec, whole)
 

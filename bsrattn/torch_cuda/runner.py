@@ -111,7 +111,8 @@ class Runner:
                 kv_view=kv_view, causal=_causal_hides_keys(spec), window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
                 sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
-                store_lse=store_lse, dense_rows=self.dense_rows, merges=self.work_plan.num_merges > 0,
+                store_lse=store_lse, dense_rows=self.dense_rows,
+                merges=self.work_plan.num_merges > 0 or spec.split_size is not None,
                 grid=spec.split_size or 0)
         return self._configs[key]
 
