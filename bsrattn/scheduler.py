@@ -173,15 +173,16 @@ def _chunk_size(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align):
     return (size + kv_align - 1) // kv_align * kv_align
 
 
-def _work_items(qo, kv, tile_q, chunk):
+def _work_items(qo, kv, tile_q, chunk, lead):
     """Every (query tile, KV chunk) of every row, in (row, tile, chunk) order: ``[W]`` arrays of the item's row,
-    query rows ``qs:qe``, KV slots ``ks:ke``, query tile, and whether that tile is split into several items."""
+    query rows ``qs:qe``, KV slots ``ks:ke``, query tile, and whether that tile is split into several items.
+    A row's first chunk holds ``lead`` slots (a multiple of ``chunk``), the others ``chunk``."""
     num_rows = qo.size
     chunks = np.ones(num_rows, np.int64)
     n_items = 0
     for r in range(num_rows):
         if chunk > 0:
-            chunks[r] = max(1, (kv[r] + chunk - 1) // chunk)
+            chunks[r] = 1 + max(0, (kv[r] - lead + chunk - 1) // chunk)
         n_items += (qo[r] + tile_q - 1) // tile_q * chunks[r]
     row = np.empty(n_items, np.int64)
     qs = np.empty(n_items, np.int64)
@@ -199,8 +200,8 @@ def _work_items(qo, kv, tile_q, chunk):
                 row[w] = r
                 qs[w] = q0
                 qe[w] = min(q0 + tile_q, q_base + qo[r])
-                ks[w] = c * chunk
-                ke[w] = kv[r] if chunk == 0 else min((c + 1) * chunk, kv[r])
+                ks[w] = 0 if c == 0 else lead + (c - 1) * chunk
+                ke[w] = kv[r] if chunk == 0 else min(lead + c * chunk, kv[r])
                 tile[w] = t
                 split_tile[w] = chunks[r] > 1
                 w += 1
@@ -319,12 +320,12 @@ def _pack(cta_indptr, order, items, qs, qe, tile, split_tile, partial, n_merges,
     return flat
 
 
-def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_align, balance, grid_multiples):
+def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_align, balance, lead_items):
     """Algorithm 1 with explicit loops (compiled by Numba when present); the plan comes back as one flat array.
 
     ``split`` is the KV chunk size when positive; 0 asks for Algorithm 1's
     ``L_kv = ceil(sum_r ceil(l_qo/T_q) * l_kv / num_ctas)``, at least ``min_split_size`` and rounded up to
-    ``kv_align``; -1 disables splitting. With ``grid_multiples`` and a positive ``split``, the chunk is that
+    ``kv_align``; -1 disables splitting. With ``lead_items`` and a positive ``split``, a row's first chunk is that
     ``L_kv`` rounded up to a multiple of ``split``. ``balance`` selects Algorithm 1 (longest first onto the
     least-loaded CTA); otherwise query tile ``i`` goes to CTA ``i % num_ctas`` (round robin).
 
@@ -338,9 +339,10 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_ali
     qo = qo_lens.astype(np.int64)
     kv = kv_lens.astype(np.int64)
     chunk = _chunk_size(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align)
-    if grid_multiples and split > 0:
-        chunk = (_chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align) + split - 1) // split * split
-    row, qs, qe, ks, ke, tile, split_tile = _work_items(qo, kv, tile_q, chunk)
+    lead = chunk
+    if lead_items and split > 0:
+        lead = (_chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align) + split - 1) // split * split
+    row, qs, qe, ks, ke, tile, split_tile = _work_items(qo, kv, tile_q, chunk, lead)
     cost = (qe - qs) + (ke - ks)
     if balance:
         assigned, owner = _longest_first_least_loaded(cost, num_ctas)
@@ -357,11 +359,11 @@ _core = Compiled(_plan_core, _chunk_size, _work_items, _longest_first_least_load
                  _partial_rows, _pack)
 
 
-def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance, grid_multiples=False) -> WorkPlan:
+def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance, lead_items=False) -> WorkPlan:
     """The :class:`WorkPlan` of int32 lengths ``qo``, ``kv`` (checked by the caller); its arrays are views of one."""
     num_ctas, tile_q = int(num_ctas), int(tile_q)
     flat, chunk, w, m, p, rows = _core(qo, kv, num_ctas, tile_q, int(split), int(min_split_size), int(kv_align),
-                                         balance, bool(grid_multiples))
+                                         balance, bool(lead_items))
     w, m, p = int(w), int(m), int(p)
     arrays = []
     at = 0
@@ -380,7 +382,7 @@ def _split(fixed_split_size, disable_split_kv) -> int:
 
 def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
          disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1,
-         busy_ctas: int | None = None, grid_multiples: bool = False) -> WorkPlan:
+         busy_ctas: int | None = None, lead_items: bool = False) -> WorkPlan:
     """FlashInfer's Algorithm 1: KV chunking, longest-first, least-loaded CTA, fixed merge order.
 
     Parameters
@@ -403,11 +405,13 @@ def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int =
         Balance over the first ``busy_ctas`` of the ``num_ctas`` CTAs only; the others get no item. A kernel
         whose grid is fixed at ``num_ctas`` (a captured CUDA graph records it) can so run a small batch on fewer,
         larger CTAs. Default: all ``num_ctas``.
-    grid_multiples : bool
-        With ``fixed_split_size``: chunks of Algorithm 1's ``L_kv`` (with ``min_split_size`` and ``kv_align``)
-        rounded up to a multiple of ``fixed_split_size``, so rows are cut about where the batch needs them cut,
-        and only on that grid. For a kernel whose deterministic mode folds an item's chunks of the grid itself
-        (the torch tier's): it writes partial states only for the cuts the batch needs.
+    lead_items : bool
+        With ``fixed_split_size``: a row's first item covers Algorithm 1's ``L_kv`` (with ``min_split_size`` and
+        ``kv_align``) rounded up to a multiple of ``fixed_split_size``, the rest of a longer row one
+        ``fixed_split_size`` chunk per item. For a kernel whose deterministic mode folds an item's chunks of the
+        grid itself, left to right (the torch tier's): the merge then folds the first item's state and the
+        next chunks' in the order of the plan cut at every grid point, and only the cuts the batch needs
+        write partial states.
 
     Returns
     -------
@@ -434,18 +438,18 @@ def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int =
     qo, kv = _check_lengths(qo_lens, kv_lens)
     return _plan_valid(qo, kv, num_ctas=num_ctas, tile_q=tile_q, fixed_split_size=fixed_split_size,
                        disable_split_kv=disable_split_kv, min_split_size=min_split_size, kv_align=kv_align,
-                       busy_ctas=busy_ctas, grid_multiples=grid_multiples)
+                       busy_ctas=busy_ctas, lead_items=lead_items)
 
 
 def _plan_valid(qo, kv, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
                 disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1,
-                busy_ctas: int | None = None, grid_multiples: bool = False) -> WorkPlan:
+                busy_ctas: int | None = None, lead_items: bool = False) -> WorkPlan:
     """:func:`plan` for lengths known to be valid (a :class:`~bsrattn.layout.BSRLayout`'s ``qo_lens`` and
     ``kv_lens``, int32 and checked when the layout was built): only the options are checked."""
     _check_options(num_ctas, tile_q, min_split_size, kv_align, fixed_split_size)
     busy = num_ctas if busy_ctas is None else as_int("busy_ctas", busy_ctas, minimum=1, maximum=num_ctas)
     work_plan = _make_plan(qo, kv, busy, tile_q, _split(fixed_split_size, disable_split_kv), min_split_size,
-                           kv_align, True, grid_multiples)
+                           kv_align, True, lead_items)
     if busy == num_ctas:
         return work_plan
     idle = np.full(num_ctas - busy, work_plan.cta_indptr[-1], dtype=work_plan.cta_indptr.dtype)

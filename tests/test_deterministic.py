@@ -250,9 +250,10 @@ def test_one_shot_attention_is_the_planned_call():
 @pytest.mark.parametrize("name", ["reference", "torch"])
 @pytest.mark.parametrize("variant", [ba.Variant(causal=True), ba.Variant(causal=True, window_left=150)],
                          ids=["causal", "window"])
-def test_a_whole_row_folds_its_chunks_as_a_plan_that_cuts_it(name, variant):
-    """An item of several chunks of the grid (the torch tier's deterministic plans, ``grid_multiples``): the
-    executor folds its chunks itself, with the same bits as the plan cut at every grid point."""
+def test_items_of_several_chunks_fold_as_a_plan_cut_at_every_grid_point(name, variant):
+    """The torch tier's deterministic plans (``lead_items``) give a row a first item of several chunks of the
+    grid, whose executor folds them itself, and cut the rest at every grid point: rows whole (one CTA) or
+    split, the same bits as the plan cut at every grid point."""
     from bsrattn.validation import make_spec
 
     tier = load_tier(name)
@@ -262,12 +263,15 @@ def test_a_whole_row_folds_its_chunks_as_a_plan_that_cuts_it(name, variant):
                for shape in ((5, HQ, D), (1090, HKV, D), (1090, HKV, D)))
     spec = replace(make_spec(layout, HQ, HKV, D, variant, q_dtype=DTYPE[name]), split_size=128)
     cut = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=40, fixed_split_size=128)
-    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, tile_q=16, fixed_split_size=128,
-                              grid_multiples=True)
+    whole, split = (ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=n, tile_q=16, fixed_split_size=128,
+                                      lead_items=True) for n in (1, 4))
     assert whole.num_merges == 0 < cut.num_merges and (whole.item_kv_end - whole.item_kv_start).max() == 700
-    results = [tier.backend.make_runner(spec, plan).run(q, k, v, return_lse=True) for plan in (whole, cut)]
-    for got, want in zip(*results):
-        assert np.array_equal(tier.numpy(got), tier.numpy(want))
+    starts = sorted(split.item_kv_start[split.item_row == 0].tolist())
+    assert starts == [0, 384, 512, 640]  # L_kv = ceil(1090 / 4) = 273: a first item of 384 slots
+    want = tier.backend.make_runner(spec, cut).run(q, k, v, return_lse=True)
+    for plan in (whole, split):
+        for got, expected in zip(tier.backend.make_runner(spec, plan).run(q, k, v, return_lse=True), want):
+            assert np.array_equal(tier.numpy(got), tier.numpy(expected))
 
 
 def test_a_deterministic_kernel_keeps_its_merges_for_a_plan_that_splits_nothing():
@@ -279,7 +283,7 @@ def test_a_deterministic_kernel_keeps_its_merges_for_a_plan_that_splits_nothing(
     tier = load_tier("torch")
     layout = ba.layouts.ragged([1, 1], [300, 90])
     spec = replace(make_spec(layout, HQ, HKV, D, q_dtype="float32"), split_size=128)
-    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, fixed_split_size=128, grid_multiples=True)
+    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, fixed_split_size=128, lead_items=True)
     assert whole.num_merges == 0
     runner = tier.backend.make_runner(spec, whole)
     assert runner.launch_config("float32", "NHD3", True).merges
@@ -291,7 +295,7 @@ def test_the_numba_tier_refuses_a_deterministic_plan_of_items_longer_than_a_chun
     numba_tier = load_tier("numba")
     layout = ba.layouts.ragged([1], [300])
     spec = replace(make_spec(layout, HQ, HKV, D), split_size=128)
-    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, fixed_split_size=128, grid_multiples=True)
+    whole = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=1, fixed_split_size=128, lead_items=True)
     with pytest.raises(ValueError, match="runs items of one chunk of the grid"):
         numba_tier.backend.make_runner(spec, whole)
 

@@ -208,14 +208,14 @@ def test_the_makespan_study_is_reexported_by_the_scheduler():
         assert getattr(scheduler, name) is getattr(makespan, name)
 
 
-def test_grid_multiples_cuts_rows_at_l_kv_rounded_up_onto_the_fixed_grid():
-    """With ``grid_multiples``, the chunk is Algorithm 1's ``L_kv`` rounded up to a multiple of
-    ``fixed_split_size``: rows are cut about where the batch needs them cut, and only on that grid."""
-    p = scheduler.plan([1, 1], [5000, 300], num_ctas=4, fixed_split_size=1024, grid_multiples=True)
-    assert p.kv_chunk_size == 2048  # L_kv = ceil(5300 / 4) = 1325
+def test_lead_items_gives_a_row_one_first_item_of_l_kv_on_the_grid_then_single_chunks():
+    """With ``lead_items``, a row's first item covers Algorithm 1's ``L_kv`` rounded up to a multiple of
+    ``fixed_split_size``; the rest of a longer row is cut at every grid point."""
+    p = scheduler.plan([1, 1], [5000, 300], num_ctas=4, fixed_split_size=1024, lead_items=True)
+    assert p.kv_chunk_size == 1024  # L_kv = ceil(5300 / 4) = 1325: a first item of 2048
     items = sorted(zip(p.item_row.tolist(), p.item_kv_start.tolist(), p.item_kv_end.tolist()))
-    assert items == [(0, 0, 2048), (0, 2048, 4096), (0, 4096, 5000), (1, 0, 300)]
+    assert items == [(0, 0, 2048), (0, 2048, 3072), (0, 3072, 4096), (0, 4096, 5000), (1, 0, 300)]
     assert scheduler.plan([1, 1], [5000, 300], num_ctas=4, fixed_split_size=1024).equals(
-        scheduler.plan([1, 1], [5000, 300], num_ctas=4, fixed_split_size=1024, grid_multiples=False))
-    plain = scheduler.plan([1, 1], [5000, 300], num_ctas=1, fixed_split_size=1024, grid_multiples=True)
-    assert plain.num_items == 2 and plain.num_merges == 0 and plain.kv_chunk_size == 6144
+        scheduler.plan([1, 1], [5000, 300], num_ctas=4, fixed_split_size=1024, lead_items=False))
+    plain = scheduler.plan([1, 1], [5000, 300], num_ctas=1, fixed_split_size=1024, lead_items=True)
+    assert plain.num_items == 2 and plain.num_merges == 0

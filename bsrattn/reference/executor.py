@@ -26,7 +26,7 @@ def grid_state(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_end,
     """Deterministic mode's state of an item: its KV in chunks of the grid (``spec.split_size``), each chunk's
     state by :func:`~bsrattn.reference.microkernel.attend_chunk`, folded left to right with ⊕ (added, for
     FlashSigmoid) — the states and the order of a plan that cuts the row at every grid point. (The torch tier's
-    plans hold several chunks per item, ``scheduler.plan``'s ``grid_multiples``; the others one.)"""
+    plans hold several chunks per item, ``scheduler.plan``'s ``lead_items``; the others one.)"""
     size = spec.split_size
     starts = list(range(kv_start, kv_end, size)) or [kv_start]
     o, s = attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, starts[0], min(starts[0] + size, kv_end),

@@ -129,8 +129,8 @@ def num_sms(device=None) -> int:
 
 def plan_options(spec, device=None) -> dict:
     """Scheduler options for ``spec``: ``num_ctas`` (per KV head), ``tile_q``, ``min_split_size``, ``kv_align``,
-    ``busy_ctas`` (decode), and ``grid_multiples`` (deterministic mode: the kernel folds an item's chunks of the
-    grid itself, so a plan cuts rows where the normal one would, rounded onto the grid).
+    ``busy_ctas`` (decode), and ``lead_items`` (deterministic mode: the kernel folds an item's chunks of the
+    grid itself, so a row's first item covers the normal plan's chunk, rounded onto the grid).
 
     Examples
     --------
@@ -156,7 +156,7 @@ def plan_options(spec, device=None) -> dict:
         few_pairs = spec.layout.num_rows * spec.num_kv_heads * DECODE_FEW_PAIRS_PER <= sms
         return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=DECODE_MIN_SPLIT,
                     kv_align=block_n, busy_ctas=max(1, min(ctas, sms // spec.num_kv_heads)) if few_pairs else ctas,
-                    grid_multiples=spec.split_size is not None)
+                    lead_items=spec.split_size is not None)
     tile_q = max(1, m // spec.group_size)
     # As many query tiles as CTAs or more: every CTA has whole tiles to run, so no row is split (a chunk as long
     # as the longest row), and the kernel carries no merges (LaunchConfig.merges). Fewer tiles (a short prefill
@@ -164,7 +164,7 @@ def plan_options(spec, device=None) -> dict:
     query_tiles = int(np.sum(-(-qo // tile_q)))
     min_split = int(spec.layout.kv_lens.max(initial=1)) if query_tiles >= ctas else 1
     return dict(num_ctas=ctas, tile_q=tile_q, min_split_size=max(1, min_split), kv_align=1,
-                grid_multiples=spec.split_size is not None)
+                lead_items=spec.split_size is not None)
 
 
 KV_VIEWS = ("NHD", "HND", "NHD3")
@@ -207,7 +207,7 @@ class LaunchConfig:
     includes a graph replayed across re-plans, and which rows a plan cuts changes with the batch."""
     grid: int = 0
     """Deterministic mode's chunk grid (``AttentionSpec.split_size``; 0 in normal mode): an item longer than a
-    chunk folds its chunks' states itself, one by one (``scheduler.plan``'s ``grid_multiples``). In this mode a
+    chunk folds its chunks' states itself, one by one (``scheduler.plan``'s ``lead_items``). In this mode a
     row's bits must not depend on the tile it sits in.
     The dots already do not: measured on the H200, ``q @ k^T`` and ``p @ v`` give the same bits per element
     whether ``mma`` (16 rows) or ``wgmma`` (64 or 128 rows) computes them, on 1 to 8 warps. What does: a row sum
