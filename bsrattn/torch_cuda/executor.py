@@ -63,8 +63,13 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
     FMA fusion, so a row's bits do not depend on its tile; the normal tiles kept. W4 (fp16 decode, KV ~
     U(4k, 16k)) 1.01x the normal call at batch 1, 1.26-1.32x from batch 8: the grid's partial states (a
     fixed 64-row tile for every plan, tried first, cost 1.4-2x).
-11. Deterministic plans keep whole the rows the batch does not need cut, and the kernel folds their chunks of
-    the grid in registers (``GRID``): no partial states for them. Not yet measured on the H200.
+11. ``67008a7``-``2776a14`` deterministic items of several chunks of the grid, each chunk's state folded into
+    the item's in registers (``GRID``), so only the cuts the batch needs write partial states; a row's first
+    item covers the normal plan's chunk rounded onto the grid, the rest one chunk each (an exact left fold).
+    W4 1.09x / 1.10x / 1.03x / 1.08x the normal call at batch 1 / 8 / 32 / 256 with every item several
+    chunks (``bb2f3d6``, whose merge regrouped the fold); the shipped plan not yet measured. W3 1.19-1.29x.
+    Tried: the fold inside the tile loops, pipelined across a chunk's end: the decode tile spills (255
+    registers + 208 bytes), 1.04x / 1.33x / 1.26x / 1.07x.
 
 Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
 per query tile).
