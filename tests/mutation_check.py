@@ -66,6 +66,7 @@ TORCH = ("tests/test_torch_tier.py::test_variants_with_split_plans",)
 FLOAT16_BUDGET = ("tests/test_wrong_implementations.py::test_one_percent_noise_in_float16_is_rejected",
                   "tests/test_wrong_implementations.py::test_a_float16_accumulator_is_rejected")
 COVERAGE = ("tests/test_scheduler.py::test_plan_covers_every_row_and_kv_slot_exactly_once",)
+AFTER_A_GOOD_CALL = ("tests/test_bad_inputs.py::test_run_checks_again_whatever_differs_from_the_last_call_that_passed",)
 
 
 def plan_order(tier):
@@ -178,7 +179,8 @@ MUTANTS = (
     Mutant("a whole row in one pass, its chunks of the grid not folded one by one", "bsrattn/torch_cuda/executor.py",
            ("chunk_step = GRID", "n_chunks = tl.cdiv(hi - chunk_lo, GRID)"),
            ("chunk_step = hi - chunk_lo", "n_chunks = 1"),
-           ("tests/test_deterministic.py::test_kv_pieces_merged_in_order_equal_one_call[torch]",)),
+           ("tests/test_deterministic.py::"
+            "test_items_of_several_chunks_fold_as_a_plan_cut_at_every_grid_point[causal-torch]",)),
     Mutant("a deterministic plan's first items at L_kv, off the grid", "bsrattn/scheduler.py",
            "lead = (_chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align) + split - 1) // split * split",
            "lead = _chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align)",
@@ -284,6 +286,16 @@ MUTANTS = (
     Mutant("an empty state's o read: numba merge", "bsrattn/numba_cuda/merge.py",
            "weighted = t_b if s_a == neg_inf else ops.fma(w_a, o_a, t_b)", "weighted = ops.fma(w_a, o_a, t_b)",
            special("test_merge_special_states[numba]")),
+    # run's checks, skipped for the arguments of the last call that passed
+    Mutant("run's checks skipped once any call passed", "bsrattn/api.py",
+           "if key is None or key != self._passed:", "if self._passed is None:", AFTER_A_GOOD_CALL),
+    Mutant("run's key without the dtypes", "bsrattn/api.py",
+           "(type(x), tuple(x.shape), x.dtype, getattr(", "(type(x), tuple(x.shape), getattr(", AFTER_A_GOOD_CALL),
+    Mutant("run's key without a buffer's writability", "bsrattn/api.py",
+           'getattr(x, "flags", _WRITABLE).writeable)', "True)", AFTER_A_GOOD_CALL),
+    Mutant("run's key without the scales' types", "bsrattn/api.py",
+           "return arrays, return_lse, type(k_scale), k_scale, type(v_scale), v_scale",
+           "return arrays, return_lse, k_scale, v_scale", AFTER_A_GOOD_CALL),
     # plans
     Mutant("plan covers a slot twice: chunk ends one past the next start", "bsrattn/scheduler.py",
            "min(lead + c * chunk, kv[r])", "min(lead + c * chunk + 1, kv[r])", COVERAGE),

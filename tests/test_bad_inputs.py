@@ -11,6 +11,7 @@ it is reached; checks that live in a tier run on every tier they apply to.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -311,6 +312,42 @@ def test_a_replan_with_the_same_arguments_does_not_validate_them_again(monkeypat
     attn = planned()
     monkeypatch.setattr(api, "make_spec", lambda *a, **k: pytest.fail("make_spec ran for checked arguments"))
     attn.plan(LAYOUT, 4, 2, 8)
+
+
+
+def _read_only_out():
+    q = arrays()[0]
+    return dict(out=_read_only(np.zeros(q.shape, f32)))
+
+
+# After a call that passed, ``run`` skips the checks for arguments like its own; each of these differs from it
+# in one thing the checks read, and must be refused as by a fresh plan.
+AFTER_A_GOOD_CALL = {
+    "q of another shape": lambda q, k, v: ((q[:2], k, v), {}),
+    "q of another dtype": lambda q, k, v: ((q.astype(f16), k, v), {}),
+    "k of another dtype": lambda q, k, v: ((q, k.astype(f16), v), {}),
+    "v of another shape": lambda q, k, v: ((q, k, v[:2]), {}),
+    "out of another dtype": lambda q, k, v: ((q, k, v), dict(out=np.zeros(q.shape, f16))),
+    "out read-only": lambda q, k, v: ((q, k, v), _read_only_out()),
+    "lse of another shape": lambda q, k, v: ((q, k, v), dict(lse=np.zeros(q.shape, f32))),
+    "k_scale True": lambda q, k, v: ((q, k, v), dict(k_scale=True)),
+    "v_scale 0": lambda q, k, v: ((q, k, v), dict(v_scale=0.0)),
+    "k a list": lambda q, k, v: ((q, k.tolist(), v), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(AFTER_A_GOOD_CALL))
+def test_run_checks_again_whatever_differs_from_the_last_call_that_passed(name):
+    q, k, v = arrays()
+    good = dict(out=np.zeros(q.shape, f32), lse=np.zeros(q.shape[:2], f32), k_scale=1, v_scale=1.0)
+    args, changed = AFTER_A_GOOD_CALL[name](q, k, v)
+    bad = {**good, **changed}
+    with pytest.raises((TypeError, ValueError)) as fresh:
+        _planned_on("reference").run(*args, **bad)
+    attn = _planned_on("reference")
+    attn.run(q, k, v, **good)
+    with pytest.raises(type(fresh.value), match=f"^{re.escape(str(fresh.value))}$"):
+        attn.run(*args, **bad)
 
 
 # ---- 7. tensors without data, or on a device the tier cannot use ----------------------------------------
