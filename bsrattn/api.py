@@ -435,14 +435,18 @@ class BatchAttention:
 def _run_key(q, k, v, out, lse, return_lse, k_scale, v_scale) -> tuple | None:
     """What :meth:`AttentionSpec.check_run` reads of ``run``'s arguments: each array's type, shape, dtype and
     device (and a NumPy buffer's writability), the flag and the scales with their types (``True`` equals 1 but
-    is refused as a scale)."""
+    is refused as a scale); None when an argument is not an array."""
     try:
-        arrays = tuple(None if x is None else (type(x), tuple(x.shape), x.dtype, getattr(x, "device", None),
-                                              getattr(x, "flags", _WRITABLE).writeable)
-                       for x in (q, k, v, out, lse))
-    except AttributeError:  # not an array: no key, and the checks say what it is
+        return (_array_key(q), _array_key(k), _array_key(v), _array_key(out), _array_key(lse), return_lse,
+                type(k_scale), k_scale, type(v_scale), v_scale)
+    except AttributeError:  # not an array: the checks say what it is
         return None
-    return arrays, return_lse, type(k_scale), k_scale, type(v_scale), v_scale
+
+
+def _array_key(x) -> tuple | None:
+    if x is None:
+        return None
+    return type(x), x.shape, x.dtype, getattr(x, "device", None), getattr(x, "flags", _WRITABLE).writeable
 
 
 class _Writable:
