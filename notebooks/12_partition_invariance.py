@@ -290,12 +290,14 @@ for name in names:
 # %% [markdown]
 # ## What it costs
 #
-# Deterministic mode gives up two things: the chunk size no longer adapts to the batch (Algorithm 1 picks
-# $L_{kv}$ to balance the CTAs; the grid does not), and each chunk's arithmetic is pinned (on the torch tier, no
-# FMA fusion and the row sums on the tensor cores). The benchmark suite's workload 4 (split-KV decode, KV lengths
-# drawn from U(4096, 16384)) times the torch tier both ways on the H200, in graph mode, with the default grid of
-# 1024 slots. The measured results are committed under `benchmarks/results/`; this cell reads them if they are
-# there.
+# Deterministic mode gives up two things: the cuts no longer follow the batch freely (Algorithm 1 picks
+# $L_{kv}$ to balance the CTAs; deterministic plans cut only on the grid — on the torch tier a row's first item
+# covers $L_{kv}$ rounded up to the grid and folds its chunks in registers, and the rest of a long row is one
+# chunk per item), and each chunk's arithmetic is pinned (on the torch tier, no FMA fusion and the row sums on
+# the tensor cores). The benchmark suite's workload 4 (split-KV decode, KV lengths drawn from U(4096, 16384))
+# times the torch tier both ways on the H200, in graph mode, with the default grid of 1024 slots. The measured
+# results are committed under `benchmarks/results/`; this cell reads them, and the commit they measured, if they
+# are there.
 
 # %%
 ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks").is_dir()), Path.cwd())
@@ -308,6 +310,7 @@ if payload is not None and not payload.get("dry_run"):
             times[record["config"]["batch"], record["impl"]] = record["time_us"]
 batches = sorted({b for b, _ in times})
 if batches:
+    print(f"measured at commit {payload['environment'].get('git_commit', '?')[:7]}")
     print(f"{'batch':>6} {'normal (µs)':>12} {'deterministic (µs)':>19} {'ratio':>7}")
     for b in batches:
         fast, fixed = times.get((b, "bsrattn-torch")), times.get((b, "bsrattn-torch-deterministic"))
@@ -319,8 +322,8 @@ else:
           "`python3 benchmarks/run_all.py --only w4` on the H200. Nothing measured, nothing shown.")
 
 # %% [markdown]
-# On the H200 (the table above, where the results are present) a single long request pays almost nothing and
-# batches of 8 to 256 about a quarter to a third more time. What that buys is a contract a test can check bit for
+# The ratio column is the price on the H200 at the commit named above (`benchmarks/NOTES.md` keeps the ladder of
+# versions, with what each measured). What that buys is a contract a test can check bit for
 # bit: the same request gives the same bytes whatever it is batched with, however it is stored, and however its
 # keys are split. Use it where reproducibility matters (evaluation, debugging, output caches, comparing a serving
 # stack against offline runs) and leave it off where only throughput does.
