@@ -424,7 +424,7 @@ def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int =
         A length or an option that is not an integer (Python or NumPy; a float, even ``2.0``, or a bool).
     ValueError
         A negative length or one beyond int32, an option below 1 or beyond int32, ``num_ctas`` beyond
-        ``MAX_CTAS``, ``busy_ctas`` beyond ``num_ctas``.
+        ``MAX_CTAS``, ``busy_ctas`` beyond ``num_ctas``, ``lead_items`` without ``fixed_split_size``.
 
     Examples
     --------
@@ -447,6 +447,8 @@ def _plan_valid(qo, kv, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int
     """:func:`plan` for lengths known to be valid (a :class:`~bsrattn.layout.BSRLayout`'s ``qo_lens`` and
     ``kv_lens``, int32 and checked when the layout was built): only the options are checked."""
     _check_options(num_ctas, tile_q, min_split_size, kv_align, fixed_split_size)
+    if lead_items and fixed_split_size is None:
+        raise ValueError("lead_items=True needs fixed_split_size: it rounds a row's first item onto that grid")
     busy = num_ctas if busy_ctas is None else as_int("busy_ctas", busy_ctas, minimum=1, maximum=num_ctas)
     work_plan = _make_plan(qo, kv, busy, tile_q, _split(fixed_split_size, disable_split_kv), min_split_size,
                            kv_align, True, lead_items)

@@ -219,3 +219,5 @@ def test_lead_items_gives_a_row_one_first_item_of_l_kv_on_the_grid_then_single_c
         scheduler.plan([1, 1], [5000, 300], num_ctas=4, fixed_split_size=1024, lead_items=False))
     plain = scheduler.plan([1, 1], [5000, 300], num_ctas=1, fixed_split_size=1024, lead_items=True)
     assert plain.num_items == 2 and plain.num_merges == 0
+    with pytest.raises(ValueError, match="lead_items=True needs fixed_split_size"):
+        scheduler.plan([1, 1], [5000, 300], num_ctas=4, lead_items=True)

@@ -28,12 +28,9 @@ def grid_state(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_end,
     FlashSigmoid) — the states and the order of a plan that cuts the row at every grid point. (The torch tier's
     plans hold several chunks per item, ``scheduler.plan``'s ``lead_items``; the others one.)"""
     size = spec.split_size
-    starts = list(range(kv_start, kv_end, size)) or [kv_start]
-    o, s = attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, starts[0], min(starts[0] + size, kv_end),
-                        dtype)
-    for start in starts[1:]:
-        o_c, s_c = attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, start, min(start + size, kv_end),
-                                dtype)
+    (o, s), *rest = (attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, start, min(start + size, kv_end),
+                                  dtype) for start in range(kv_start, max(kv_end, kv_start + 1), size))
+    for o_c, s_c in rest:
         o, s = (o + o_c, s) if spec.variant.use_sigmoid else merge_state(o, s, o_c, s_c)
     return o, s
 

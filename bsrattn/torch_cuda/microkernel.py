@@ -271,6 +271,6 @@ def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
             HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
             DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
             SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
-                DETERMINISTIC=DETERMINISTIC)
+            DETERMINISTIC=DETERMINISTIC)
         blocks = ahead
     return finish(acc, m_i, l_i, bad, v_scale, SIGMOID)
