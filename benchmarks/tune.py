@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -26,12 +27,16 @@ if __package__ in (None, ""):
 
 import bsrattn as ba  # noqa: E402
 from benchmarks import harness, w1_quest_decode as w1, w2_paged_decode as w2, w3_prefill as w3  # noqa: E402
-from bsrattn.torch_cuda import config as cfg  # noqa: E402
+from bsrattn.torch_cuda import config as cfg, prefill  # noqa: E402
 
 WORKLOAD = "tune"
 TITLE = "torch tier tile and schedule sweep"
 DECODE = dict(block_n=(32, 64), warps=(4, 8), stages=(2, 3, 4), ctas_per_sm=(1, 2), min_split=(256,))
-PREFILL = dict(block_m=(128,), block_n=(64, 128), warps=(8,), stages=(2, 3), ctas_per_sm=(1, 4))
+PREFILL = [dict(kernel=kernel, block_m=128, block_n=n, warps=8, stages=stages, ctas_per_sm=4)
+           for kernel, n, stages in (("persistent", 64, 3), ("items, gathered", 64, 3), ("items", 64, 2),
+                                     ("items", 64, 3), ("items", 128, 3))]
+"""Prefill points: the persistent kernel, and the item kernel (``prefill.py``) reading dense rows with gathered loads
+or, as shipped, through tensor descriptors."""
 CASES = {
     "w1": [("decode", f"W1 quest {n}/{b}", lambda s, n=n, b=b: w1.make_case(s, n, b, w1.GPU_SHAPE))
            for n, b in ((32768, 64), (32768, 512))],
@@ -43,6 +48,9 @@ CASES = {
     "w3": [("prefill", f"W3 prefill {w3.label(spec)}",
             lambda s, spec=spec: w3.make_case(s, w3.GPU_SHAPE, w3.lengths(s.rng, spec), "ragged"))
            for spec in (("const", 16, 1024), ("uniform", 16, 256, 1792), ("const", 1, 8192))],
+    "w3-paged": [("prefill", f"W3 prefill 16 x 1024 paged {page}",
+                  lambda s, page=page: w3.make_case(s, replace(w3.GPU_SHAPE, page_size=page), [1024] * 16, "paged"))
+                 for page in (16, 1)],
 }
 DRY_CASES = [("decode", "W1 dry", lambda s: w1.make_case(s, 256, 8, w1.DRY_SHAPE)),
              ("decode", "W2 dry", lambda s: w2.make_case(s, w2.DRY_SHAPE, "float16", [40, 9])),
@@ -51,17 +59,23 @@ DRY_CASES = [("decode", "W1 dry", lambda s: w1.make_case(s, 256, 8, w1.DRY_SHAPE
 
 
 @contextlib.contextmanager
-def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=None):
+def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=None, kernel=None):
     """Set the tier's tile and schedule choices for ``kind`` ("decode" or "prefill"), restored on exit."""
-    saved = cfg.tiles, dict(cfg.CTAS_PER_SM), cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M
+    saved = (cfg.tiles, dict(cfg.CTAS_PER_SM), cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M, cfg.prefill_kernel,
+             prefill.tma_ready)
     cfg.tiles = lambda m, head_dim, dtype, few_items=False: cfg.Tiles(m, block_n, warps, stages)
     cfg.CTAS_PER_SM[kind] = ctas_per_sm
     cfg.DECODE_MIN_SPLIT = min_split or cfg.DECODE_MIN_SPLIT
     cfg.PREFILL_BLOCK_M = block_m or cfg.PREFILL_BLOCK_M
+    if kernel == "persistent":
+        cfg.prefill_kernel = lambda *args: False
+    elif kernel == "items, gathered":
+        prefill.tma_ready = lambda *args: False
     try:
         yield
     finally:
-        cfg.tiles, cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M = saved[0], saved[2], saved[3]
+        cfg.tiles, cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M, cfg.prefill_kernel = saved[0], *saved[2:5]
+        prefill.tma_ready = saved[5]
         cfg.CTAS_PER_SM.update(saved[1])
 
 
@@ -88,8 +102,10 @@ def measure(suite, config, case):
 def run(suite, cases) -> None:
     for kind, name, make in cases:
         case = make(suite)
-        sweep = DECODE if kind == "decode" else PREFILL
-        points = [dict(zip(sweep, values)) for values in itertools.product(*sweep.values())]
+        if kind == "decode":
+            points = [dict(zip(DECODE, values)) for values in itertools.product(*DECODE.values())]
+        else:
+            points = PREFILL
         points = points[:1] if suite.dry_run else points
         for point, config in suite.configs(points, lambda p, name=name: {"case": name, **p}):
             with knobs(kind, **point):

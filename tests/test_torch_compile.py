@@ -45,6 +45,13 @@ CONFIGS = {
     "decode fp16 + fp8-e4m3 KV, fused RoPE, G4": ("float16", "float8_e4m3fn", 128, 4, 4, "NHD", 16, dict(rope=True)),
     "prefill bf16, causal, fused RoPE, d64": ("bfloat16", "bfloat16", 64, 4, 32, "NHD3", 1,
                                               dict(causal=True, rope=True)),
+    "prefill bf16, ragged 3-D, causal, the item kernel": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1,
+                                                          dict(causal=True, merges=False, prefill="items")),
+    "prefill bf16, ragged 3-D, causal, the item kernel with tensor descriptors": (
+        "bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1, dict(causal=True, merges=False, prefill="tma")),
+    "prefill fp16 + fp8-e4m3 KV, paged, soft cap, the item kernel": ("float16", "float8_e4m3fn", 128, 4, 32, "NHD",
+                                                                     16, dict(soft_cap=True, merges=False,
+                                                                              prefill="items")),
     "deterministic decode fp16, G4": ("float16", "float16", 128, 4, 1, "NHD", 16, dict(deterministic=True)),
     "deterministic prefill bf16, causal, sliding window": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1,
                                                            dict(deterministic=True, causal=True, window_left=100)),
@@ -54,10 +61,12 @@ WORKERS = 2
 
 
 def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_size, flags):
+    """``(kernel, args, kwargs)`` of the launch the tier makes for this configuration: the first pass, or with
+    ``redo`` the second; ``prefill`` picks the item kernel (``prefill.py``), ``"tma"`` with tensor descriptors."""
     import torch
 
     from bsrattn.torch_cuda import config as cfg
-    from bsrattn.torch_cuda.executor import launch_args
+    from bsrattn.torch_cuda.executor import launch_args, passes
     from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
 
     hkv, blocks = 2, 8
@@ -70,7 +79,8 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
         soft_cap=flags.get("soft_cap", False), alibi=flags.get("alibi", False), sigmoid=flags.get("sigmoid", False),
         rope=flags.get("rope", False), custom_mask=flags.get("custom_mask", False),
         store_lse=flags.get("store_lse", not flags.get("sigmoid")), dense_rows=flags.get("dense_rows", True),
-        merges=flags.get("merges", True), grid=1024 if flags.get("deterministic") else 0)
+        merges=flags.get("merges", True), grid=1024 if flags.get("deterministic") else 0,
+        prefill={None: 0, "items": cfg.PREFILL_ITEMS, "tma": cfg.PREFILL_TMA}[flags.get("prefill")])
     kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
                 "NHD3": (blocks, hkv, head_dim)}[view]
     q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))
@@ -79,7 +89,10 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
     lse = torch.empty((32, hq)) if config.store_lse else buffers.no_lse
     scalars = cfg.Scalars(0.088, 1.0, 30.0, 0.0)
     _, args, kwargs = launch_args(q, k, v, torch.empty_like(q), lse, buffers, config, scalars)
-    return args, dict(kwargs, REDO=flags.get("redo", False))
+    options = {key: kwargs[key] for key in ("num_warps", "num_stages", "enable_fp_fusion")}
+    fn, _, constexprs = passes(config, q.dtype, buffers.item_capacity, flags.get("prefill") == "tma")[
+        1 if flags.get("redo") else 0]
+    return fn, args, dict(constexprs, **options)
 
 
 def _merge_launches(dtype):
@@ -113,7 +126,8 @@ def _compile(fn, args, kwargs):
     # `async_wait {num = n}` lets n copy groups stay in flight past the wait: the pipelining depth achieved.
     waits = [int(n) for n in re.findall(r"async_wait[^\n]*\{num = (\d+) : i32\}", ttgir)]
     return dict(stages=sorted(kernel.asm.keys()), shared=kernel.metadata.shared, num_stages=options.get("num_stages"),
-                async_copies=ttgir.count("async_copy_global_to_local"), fp_atomics=ttgir.count("atomic_rmw fadd"),
+                async_copies=ttgir.count("async_copy_global_to_local"),
+                tensor_copies=ttgir.count("async_tma_copy_global_to_local"), fp_atomics=ttgir.count("atomic_rmw fadd"),
                 groups_in_flight=max(waits, default=0), **_resources(kernel.asm.get("cubin")))
 
 
@@ -137,15 +151,13 @@ def _resources(cubin) -> dict:
 
 def _worker(names):
     """Compile the named configurations (in this process, which must not be interpreting); print JSON."""
-    from bsrattn.torch_cuda.executor import persistent_attention
-
     results = {}
     for name in names:
         try:
             if name.startswith("merge "):
                 results[name] = [_compile(fn, a, k) for fn, a, k in _merge_launches(name.split()[1])]
             else:
-                results[name] = _compile(persistent_attention, *_attention_launch(*CONFIGS[name]))
+                results[name] = _compile(*_attention_launch(*CONFIGS[name]))
         except Exception as err:  # reported by the test, with the configuration's name
             results[name] = dict(error=f"{type(err).__name__}: {err}"[-3000:])
     print(json.dumps(results))
@@ -196,16 +208,21 @@ def test_attention_kernel_compiles_for_sm90():
         # Gathered K/V tiles must be pipelined into shared memory (cp.async), not loaded into registers, and
         # with 3 stages the next tiles' K and V copies stay in flight while one is used: the block ids are
         # loaded a tile ahead, so no copy waits on an index load of its own iteration (it drained, num = 0).
+        # Dense rows read through tensor descriptors are the copy engine's (TMA) too.
         assert result["async_copies"] >= 2, (name, result)
         if (result["num_stages"] or 0) >= 3:
             assert result["groups_in_flight"] >= 2, (name, result)
+        if "tensor descriptors" in name:
+            assert result["tensor_copies"] >= 2, (name, result)
         assert result["fp_atomics"] == 0, (name, "no floating-point atomics anywhere")
         assert result["shared"] <= 227 * 1024, (name, result)
     # A plan that splits no row compiles the kernel without merges, which keeps a prefill tile's state in
-    # registers: no stack (with merges, the same tile spills).
-    spill_free = results["prefill bf16, ragged 3-D, causal, M128, a plan without merges"]
-    if "stack" in spill_free:
-        assert spill_free["stack"] == 0, spill_free
+    # registers: no stack (with merges, the same tile spills); so does the item kernel.
+    for name in ("prefill bf16, ragged 3-D, causal, M128, a plan without merges",
+                 "prefill bf16, ragged 3-D, causal, the item kernel",
+                 "prefill bf16, ragged 3-D, causal, the item kernel with tensor descriptors"):
+        if "stack" in results[name]:
+            assert results[name]["stack"] == 0, (name, results[name])
 
 
 def test_merge_kernels_compile_for_sm90():

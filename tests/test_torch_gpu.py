@@ -152,6 +152,103 @@ def test_cuda_graph_replays_across_replans(variant):
                                  name=f"replay step {step}")
 
 
+# ---- prefill plans that split no row: the item kernel (prefill.py) ----------------------------------------
+
+def _consecutive_pages(lens):
+    """Page tables of consecutive pages, one request after another: every row dense."""
+    need = [-(-int(n) // PAGE) for n in lens]
+    return np.split(np.arange(sum(need)), np.cumsum(need)[:-1]), sum(need)
+
+
+ITEM_KERNEL_CASES = {  # name: (q dtype, KV dtype, pages, variant, whether the call reads dense rows through tensor
+    # descriptors)
+    "bf16, consecutive pages, causal": ("bfloat16", "bfloat16", "consecutive", ba.Variant(causal=True), True),
+    "fp16, consecutive pages, soft cap": ("float16", "float16", "consecutive", ba.Variant(logits_soft_cap=20.0),
+                                          True),
+    "bf16, scattered pages, causal": ("bfloat16", "bfloat16", "scattered", ba.Variant(causal=True), False),
+    "fp16 + fp8-e4m3 KV, consecutive pages, causal": ("float16", "float8_e4m3fn", "consecutive",
+                                                      ba.Variant(causal=True), False),
+}
+
+
+@pytest.mark.parametrize("min_kv", [0, None], ids=["descriptors for any row", "as shipped"])
+@pytest.mark.parametrize("name", sorted(ITEM_KERNEL_CASES))
+def test_prefill_item_kernel(name, min_kv, monkeypatch):
+    """A prefill of ~100 query tiles a KV head (more than its 66 CTAs) splits no row and runs the item kernel:
+    dense rows of 16-bit KV through tensor descriptors where the plan asks (here: any row, and the short rows of
+    the shipped threshold, which read none), every other row gathered."""
+    from bsrattn.torch_cuda import config as cfg, prefill
+
+    if min_kv is not None:
+        monkeypatch.setattr(cfg, "PREFILL_TMA_MIN_KV", min_kv)
+
+    q_dtype, kv_dtype, pages, variant, descriptors = ITEM_KERNEL_CASES[name]
+    rng = np.random.default_rng(12)
+    lens = rng.integers(200, 600, size=8)
+    if pages == "consecutive":
+        tables, num_pages = _consecutive_pages(lens)
+        layout = ba.layouts.paged(lens, tables, lens, PAGE, num_pages)
+    else:
+        layout = _paged(rng, lens, lens)
+    q, k, v = _inputs(rng, layout, q_dtype, kv_dtype)
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout, HQ, HKV, D, variant=variant, q_dtype=q_dtype, kv_dtype=kv_dtype)
+    config = attn._runners[0].launch_config(q_dtype, "NHD", True)
+    assert attn.work_plans[0].num_merges == 0 and config.prefill in (cfg.PREFILL_ITEMS, cfg.PREFILL_TMA), config
+    assert prefill.tma_ready(config, q, k, v) == (descriptors and min_kv == 0)
+    scales = dict(k_scale=0.8, v_scale=1.3) if kv_dtype.startswith("float8") else {}
+    got = attn.run(q, k, v, return_lse=True, **scales)
+    assert_matches_reference(got, q, k, v, layout, kv_dtype if scales else q_dtype, variant=variant, name=name,
+                             **scales)
+    again = attn.run(q, k, v, return_lse=True, **scales)  # through the kept kernels
+    assert torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
+
+
+def test_a_graph_captured_on_the_item_kernel_replays_re_plans(monkeypatch):
+    """Captured on a plan of consecutive pages (tensor descriptors, asked for at any length), replayed after
+    re-plans of other lengths, some over scattered pages of the same pool (gathered loads, chosen per row): every
+    replay gives the reference's answer, and the eager call's bits where that call runs the same kernel."""
+    from bsrattn.torch_cuda import config as cfg
+
+    monkeypatch.setattr(cfg, "PREFILL_TMA_MIN_KV", 0)
+    rng = np.random.default_rng(13)
+    batch, num_pages = 8, 300
+    causal = ba.Variant(causal=True)
+    q = torch.randn(num_pages * PAGE, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], device="cuda")
+
+    def layout(pages):
+        """``batch`` requests filling the pool, a random number of whole pages each."""
+        cuts = np.sort(rng.choice(np.arange(1, num_pages), batch - 1, replace=False))
+        per = np.diff([0, *cuts, num_pages])
+        order = np.arange(num_pages) if pages == "consecutive" else rng.permutation(num_pages)
+        return ba.layouts.paged(per * PAGE, np.split(order, cuts), per * PAGE, PAGE, num_pages)
+
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(layout("consecutive"), HQ, HKV, D, variant=causal, q_dtype="bfloat16", kv_dtype="bfloat16")
+    assert attn._runners[0].launch_config("bfloat16", "NHD", True).prefill
+    attn.run(q, k, v, out=out, lse=lse)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, k, v, out=out, lse=lse)
+    for step, pages in enumerate(("consecutive", "scattered", "scattered", "consecutive")):
+        lay = layout(pages)
+        attn.plan(lay, HQ, HKV, D, variant=causal, q_dtype="bfloat16", kv_dtype="bfloat16")
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_o, eager_lse = attn.run(q, k, v, return_lse=True)
+        if pages == "consecutive":  # a scattered plan's eager call runs the gathered kernel
+            assert torch.equal(out, eager_o) and torch.equal(lse, eager_lse), f"step {step}: replay != eager"
+        assert_matches_reference((out, lse), q, k, v, lay, "bfloat16", variant=causal,
+                                 name=f"replay step {step} ({pages})")
+        assert_matches_reference((eager_o, eager_lse), q, k, v, lay, "bfloat16", variant=causal,
+                                 name=f"eager step {step} ({pages})")
+
+
 # ---- torch.compile ------------------------------------------------------------------------------------
 
 def test_torch_compile_fullgraph_inductor():

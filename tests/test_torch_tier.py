@@ -22,7 +22,7 @@ import bsrattn as ba
 from bsrattn.testing import assert_close, scattered_page_tables
 from bsrattn.torch_cuda import config as tcfg
 from bsrattn.torch_cuda.arrays import check_device, to_numpy
-from helpers import check_attention, naive_merge, raw_tensors, rounded
+from helpers import call_inputs, check_attention, naive_merge, raw_tensors, rounded
 from strategies import Problem, named_case
 
 DEVICE = "cpu" if tcfg.interpreting() else "cuda"
@@ -385,6 +385,80 @@ def test_a_prefill_plan_that_splits_no_row_runs_the_kernel_without_merges():
         attn.plan(problem.case.layout, 4, 2, 16, variant=causal, num_ctas=attn.work_plans[0].num_ctas,
                   fixed_split_size=128)
     assert attn._runners[0].buffers is buffers
+
+
+# ---- prefill plans that split no row: the item kernel (prefill.py) ------------------------------------------
+
+def _item_kernel_problem(kind, variant, rng):
+    """A prefill of 5 query tiles (64 rows of 2 heads each), enough that 2 CTAs a KV head split no row."""
+    qo, kv = (70, 65, 30), (90, 65, 30)
+    if kind == "ragged":
+        case = named_case("ragged", dict(qo_lens=list(qo), kv_lens=list(kv)), "flat")
+    else:
+        need = [-(-n // 8) for n in kv]
+        tables = np.split(np.arange(sum(need)), np.cumsum(need)[:-1])
+        if kind == "paged, the last rows on scattered pages":
+            tables[1:] = np.split(rng.permutation(np.arange(need[0], sum(need))), [need[1]])
+        raw = dict(qo_lens=list(qo), page_tables=[t.tolist() for t in tables], kv_lens=list(kv), page_size=8,
+                   num_pages=sum(need))
+        # HND: every row's pages consecutive, but a dense row's slots are not one stride apart
+        case = named_case("paged", raw, "HND" if kind.startswith("paged HND") else "NHD")
+    return Problem(case, 4, 2, 16, variant, seed=4)
+
+
+ITEM_KERNEL_CASES = {  # kind: whether the call reads its dense rows through tensor descriptors
+    "ragged": True,
+    "paged, the last rows on scattered pages": True,  # those rows gathered
+    "paged HND, consecutive pages": False,
+}
+
+
+@pytest.mark.parametrize("variant", [ba.Variant(causal=True), ba.Variant(logits_soft_cap=2.0, sm_scale=0.9)],
+                         ids=["causal", "soft cap"])
+@pytest.mark.parametrize("kind", sorted(ITEM_KERNEL_CASES))
+def test_prefill_plans_that_split_no_row_run_the_item_kernel(kind, variant, monkeypatch):
+    """One program per item, reading dense rows through tensor descriptors where the plan asks (here for short
+    rows too) and the call allows (``tma_ready``), gathered loads elsewhere; a plan that splits, a window or
+    deterministic mode keep the persistent kernel."""
+    from bsrattn.torch_cuda import prefill
+
+    monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 1)  # 2 CTAs a KV head
+    problem = _item_kernel_problem(kind, variant, np.random.default_rng(16))
+    q, k, v, view = call_inputs(problem.case, *raw_tensors(problem, "float16"))
+    shipped = ba.BatchAttention(backend="torch")
+    shipped.plan(problem.case.layout, 4, 2, 16, variant=variant, kv_layout=view)
+    kv_view = shipped._runners[0].spec.kv_view_of(tensor(k))
+    assert shipped._runners[0].launch_config("float16", kv_view, True).prefill == tcfg.PREFILL_ITEMS  # short rows
+    monkeypatch.setattr(tcfg, "PREFILL_TMA_MIN_KV", 0)
+    run, attn = _batch(problem, torch.float16)
+    check_attention(run, problem, "float16", name=kind)
+    config = attn._runners[0].launch_config("float16", kv_view, True)
+    assert attn.work_plans[0].num_merges == 0 and config.prefill == tcfg.PREFILL_TMA, config
+    assert prefill.tma_ready(config, *(tensor(x, torch.float16) for x in (q, k, v))) == ITEM_KERNEL_CASES[kind]
+    windowed = ba.Variant(causal=True, window_left=40)
+    for changed, kwargs in ((variant, dict(num_ctas=3, fixed_split_size=16)), (variant, dict(deterministic=True)),
+                            (windowed, {})):
+        other = ba.BatchAttention(backend="torch")
+        other.plan(problem.case.layout, 4, 2, 16, variant=changed, kv_layout=view, **kwargs)
+        assert not other._runners[0].launch_config("float16", config.kv_view, True).prefill, (changed, kwargs)
+
+
+@pytest.mark.parametrize("descriptors", [False, True], ids=["gathered", "tensor descriptors"])
+def test_a_hidden_keys_nan_does_not_reach_the_item_kernels_rows(descriptors, monkeypatch):
+    """Causal prefill through the item kernel with a NaN in the value of a key that the first queries of its row
+    cannot see: those rows answer as without it (the item is flagged and computed again, dropping hidden values),
+    the rows that see it are NaN."""
+    problem = _item_kernel_problem("ragged", ba.Variant(causal=True), np.random.default_rng(18))
+    q, k, v = raw_tensors(problem, "float16")
+    v = v.copy()
+    v[40] = np.nan  # row 0's key 40: hidden from its first 20 queries (positions 20..89 see keys up to their own)
+    monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 1)
+    monkeypatch.setattr(tcfg, "PREFILL_TMA_MIN_KV", 0 if descriptors else tcfg.PREFILL_TMA_MIN_KV)
+    run, attn = _batch(problem, torch.float16)
+    out, _ = check_attention(run, problem, "float16", tensors=(q, k, v), name="NaN of a hidden key")
+    want = tcfg.PREFILL_TMA if descriptors else tcfg.PREFILL_ITEMS
+    assert attn._runners[0].launch_config("float16", "NHD3", True).prefill == want
+    assert np.isfinite(out[:20]).all() and np.isnan(out[20:70]).all()
 
 
 def test_same_plan_same_bits():

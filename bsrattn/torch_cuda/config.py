@@ -167,6 +167,32 @@ def plan_options(spec, device=None) -> dict:
                 lead_items=spec.split_size is not None)
 
 
+PREFILL_ITEMS, PREFILL_TMA = 1, 2
+"""``LaunchConfig.prefill``: the item kernel (``prefill.py``) with gathered loads, or reading dense rows through
+tensor descriptors."""
+PREFILL_TMA_MIN_KV = 4096
+"""The item kernel reads dense rows through tensor descriptors for plans whose items average this many KV slots or
+more. Measured on the H200 (W3, bf16 causal; NOTES.md): 1 x 8192 1443 -> 1288 us, but 16 x 1024 551 -> 573 us and
+16 x U(256,1792) 640 -> 650 us: the kernel carries both load paths (rows that are not dense keep the gathered one),
+which costs the short rows more than the copies save them."""
+
+
+def prefill_kernel(spec, work_plan, q_dtype: str, dense_rows: bool) -> int:
+    """``LaunchConfig.prefill`` for ``work_plan``: 0 (the persistent kernel) unless the item kernel (``prefill.py``)
+    runs it, a prefill plan that splits no row, whose tiles fit one M tile, and whose variant the item kernel has
+    (at most a causal mask and a soft cap; not deterministic); then :data:`PREFILL_TMA` for a plan with
+    ``dense_rows`` whose items average :data:`PREFILL_TMA_MIN_KV` slots or more, else :data:`PREFILL_ITEMS`."""
+    variant = spec.variant
+    rows = work_plan.tile_q * spec.group_size
+    if (work_plan.num_merges or spec.split_size is not None or rows <= DECODE_ROWS or rows > PREFILL_BLOCK_M
+            or q_dtype == "float32" or block_d(spec.head_dim) > 128 or variant.window_left >= 0
+            or variant.alibi_slopes is not None or variant.use_rope or variant.use_sigmoid
+            or spec.layout.custom_mask is not None):
+        return 0
+    kv = work_plan.item_kv_end - work_plan.item_kv_start
+    return PREFILL_TMA if dense_rows and kv.mean(dtype=np.float64) >= PREFILL_TMA_MIN_KV else PREFILL_ITEMS
+
+
 KV_VIEWS = ("NHD", "HND", "NHD3")
 
 
@@ -205,6 +231,10 @@ class LaunchConfig:
     251 registers and none on sm_90), but runs only plans that split nothing: a graph captured without them must
     be recaptured for a plan that splits (the runner warns). Deterministic mode always carries them: its contract
     includes a graph replayed across re-plans, and which rows a plan cuts changes with the batch."""
+    prefill: int = 0
+    """Which kernel runs the first pass: 0 the persistent kernel, else the item kernel (``prefill.py``),
+    :data:`PREFILL_ITEMS` or :data:`PREFILL_TMA` (:func:`prefill_kernel` chooses). The item kernel runs any plan
+    without merges correctly, so a graph captured on it replays such re-plans."""
     grid: int = 0
     """Deterministic mode's chunk grid (``AttentionSpec.split_size``; 0 in normal mode): an item longer than a
     chunk folds its chunks' states itself, one by one (``scheduler.plan``'s ``lead_items``). In this mode a

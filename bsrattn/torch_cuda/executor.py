@@ -77,6 +77,7 @@ per query tile).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import replace
 
@@ -84,34 +85,14 @@ import torch
 import triton
 import triton.language as tl
 
-from bsrattn.items import ITEM, ITEM_STRIDE
-from bsrattn.torch_cuda import microkernel
+from bsrattn.torch_cuda import microkernel, prefill
 from bsrattn.torch_cuda.config import interpreter_turn, interpreting
 from bsrattn.torch_cuda.gather import block_size_constexpr, kv_strides
-from bsrattn.torch_cuda.indexing import query_position, tile_head, tile_query
+from bsrattn.torch_cuda.indexing import _BLOCK_START, _FIRST_SLOT, _KV_END, _KV_LEN, _KV_START, _MASK_START, _MERGE, \
+    _PARTIAL, _PARTS_HI, _PARTS_LO, _QO_END, _QO_FIRST, _QO_LEN, _QO_START, _ROPE_OFFSET, _STRIDE, query_position, \
+    tile_head, tile_query
 from bsrattn.torch_cuda.merge import fold_partials, merge_pair
-
-# Offsets of the item-row fields (bsrattn.items.ITEM_FIELDS), as compile-time constants of the kernel.
-_STRIDE = tl.constexpr(ITEM_STRIDE)
-_QO_START, _QO_END = tl.constexpr(ITEM["qo_start"]), tl.constexpr(ITEM["qo_end"])
-_KV_START, _KV_END = tl.constexpr(ITEM["kv_start"]), tl.constexpr(ITEM["kv_end"])
-_PARTIAL, _MERGE = tl.constexpr(ITEM["partial"]), tl.constexpr(ITEM["merge"])
-_PARTS_LO, _PARTS_HI = tl.constexpr(ITEM["parts_lo"]), tl.constexpr(ITEM["parts_hi"])
-_QO_FIRST, _QO_LEN, _KV_LEN = tl.constexpr(ITEM["qo_first"]), tl.constexpr(ITEM["qo_len"]), tl.constexpr(ITEM["kv_len"])
-_BLOCK_START, _FIRST_SLOT = tl.constexpr(ITEM["block_start"]), tl.constexpr(ITEM["first_slot"])
-_MASK_START, _ROPE_OFFSET = tl.constexpr(ITEM["mask_start"]), tl.constexpr(ITEM["rope_offset"])
-
-
-@triton.jit
-def _store_state(o_ptr, lse_ptr, rows, head, valid, d, o, lse,  # rows, head, valid [BLOCK_M]; o [BLOCK_M, BLOCK_D]
-                 stride_on, stride_oh, stride_od, stride_ln, stride_lh,
-                 HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
-    r = rows.to(tl.int64)
-    tl.store(o_ptr + r[:, None] * stride_on + head[:, None] * stride_oh + d[None, :] * stride_od,
-             o.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))
-    if STORE_LSE:
-        tl.store(lse_ptr + r * stride_ln + head * stride_lh, lse, mask=valid)
-
+from bsrattn.torch_cuda.microkernel import store_state
 
 @triton.jit
 def persistent_attention(
@@ -248,11 +229,11 @@ def persistent_attention(
                 if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:  # a non-finite row: the second launch redoes the item
                     tl.store(item_flags + w * num_kv_heads + kv_head, 1)
             if partial < 0:
-                _store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
-                             stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
+                store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
+                            stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
             elif MERGES:
-                _store_state(part_o, part_lse, partial + rel, head, valid_m, d, o, lse, stride_pn, stride_ph, 1,
-                             stride_pln, stride_plh, HEAD_DIM, not SIGMOID)
+                store_state(part_o, part_lse, partial + rel, head, valid_m, d, o, lse, stride_pn, stride_ph, 1,
+                            stride_pln, stride_plh, HEAD_DIM, not SIGMOID)
         if MERGES and joins:
             n_rows = (qo_end - qo_start) * GROUP
             parts_lo = tl.load(item + _PARTS_LO)
@@ -270,8 +251,8 @@ def persistent_attention(
                     o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head,
                                            valid_m, d, stride_pn, stride_ph, stride_pln, stride_plh, HEAD_DIM,
                                            SIGMOID)
-                    _store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on,
-                                 stride_oh, stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
+                    store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on,
+                                stride_oh, stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
                     if HIDDEN_KEYS and not REDO:
                         if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:
                             tl.store(merge_flags + merge * num_kv_heads + kv_head, 1)
@@ -289,9 +270,10 @@ def call_args(q, k, v, out, lse, config, scalars) -> tuple:
             scalars.sigmoid_bias)
 
 
-_CONSTEXPR_NAMES = tuple(name for name, p in inspect.signature(persistent_attention.fn).parameters.items()
-                         if "constexpr" in str(p.annotation))  # a string here, as annotations are in this module
-"""The compile-time parameters of :func:`persistent_attention`, in order (they follow the others)."""
+def constexpr_names(kernel) -> tuple:
+    """The compile-time parameters of ``kernel`` (a ``triton.jit`` function), in order (they follow the others)."""
+    return tuple(name for name, p in inspect.signature(kernel.fn).parameters.items()
+                 if "constexpr" in str(p.annotation))  # a string here, as annotations are in this module
 
 
 def plan_args(buffers, config) -> tuple:
@@ -325,10 +307,21 @@ def launch_args(q, k, v, out, lse, buffers, config, scalars):
     return (config.num_ctas, config.num_kv_heads), args, kwargs
 
 
+def passes(config, q_dtype, item_capacity: int, tma: bool = False) -> list:
+    """``(kernel, grid, constexprs)`` of each launch of a call, in order: the first pass (the persistent kernel, or
+    the item kernel of :mod:`~bsrattn.torch_cuda.prefill` where ``config.prefill`` says so, reading dense rows
+    through tensor descriptors when ``tma``), then, under masks that hide keys, the persistent kernel's ``REDO``
+    over the items the first flagged. ``item_capacity`` is the buffers' (the item kernel's grid)."""
+    grid = (config.num_ctas, config.num_kv_heads)
+    first = ((prefill.prefill_attention, (item_capacity, config.num_kv_heads), prefill.constexprs(config, q_dtype, tma))
+             if config.prefill else (persistent_attention, grid, constexprs(config, q_dtype)))
+    redo = [(persistent_attention, grid, constexprs(config, q_dtype, True))] if config.hidden_keys else []
+    return [first, *redo]
+
+
 def launch(q, k, v, out, lse, buffers, config, scalars):
-    """Clear the merge counters and flags, then launch :func:`persistent_attention` (arguments as
-    :func:`launch_args`), and again with ``REDO`` under masks that hide keys: a :class:`Launch` made for the
-    one call (the custom op's path, which ``torch.compile``'d code takes)."""
+    """Clear the merge counters and flags, then launch each of :func:`passes` (arguments as :func:`launch_args`): a
+    :class:`Launch` made for the one call (the custom op's path, which ``torch.compile``'d code takes)."""
     Launch(buffers, config)(q, k, v, out, lse, scalars)
 
 
@@ -364,11 +357,11 @@ class Launch:
     classified only when they differ from the last call's: a model's layers share them.
     """
 
-    __slots__ = ("config", "grid", "sync", "plan", "_plan_ptrs", "_plan_kind", "_last")
+    __slots__ = ("config", "item_capacity", "sync", "plan", "_plan_ptrs", "_plan_kind", "_last", "_scratch")
 
     def __init__(self, buffers, config):
         self.config = config
-        self.grid = (config.num_ctas, config.num_kv_heads)
+        self.item_capacity = buffers.item_capacity
         self.sync = buffers.sync
         self.plan = plan_args(buffers, config)
         self._plan_ptrs = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in self.plan)
@@ -376,6 +369,14 @@ class Launch:
         kernel_config = replace(config, block_size=block_size_constexpr(config.block_size))
         self._plan_kind = (kernel_config, self.sync.device, *map(_specialised, self.plan))
         self._last = (None, None)  # the last call's (dtypes, pointers' alignment, strides) and its kernels
+        self._scratch = None
+
+    def scratch(self, size: int, alignment: int, stream) -> torch.Tensor:
+        """Triton's allocator for the global scratch of a kernel that makes tensor descriptors
+        (``prefill.descriptor_scratch``): one buffer, grown when a launch needs more."""
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.uint8, device=self.sync.device)
+        return self._scratch
 
     def __call__(self, q, k, v, out, lse, scalars):
         view = self.config.kv_view
@@ -385,31 +386,43 @@ class Launch:
         exact = (q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, *(p % 16 for p in ptrs), *ints)
         last, kernels = self._last
         if last != exact:
-            kind = (self._plan_kind, *exact[:5], *(p % 16 == 0 for p in ptrs), *map(_specialised, ints))
+            # Whether K and V go through tensor descriptors follows from what `exact` holds, beyond what Triton
+            # specialises on (a stride's value), so it is part of the kind.
+            tma = prefill.tma_ready(self.config, q, k, v)
+            kind = (self._plan_kind, *exact[:5], *(p % 16 == 0 for p in ptrs), *map(_specialised, ints), tma)
             kernels = _COMPILED.get(kind)
         self.sync.zero_()
         if kernels is None:
-            kernels = self._through_triton(q, k, v, out, lse, scalars)
+            kernels = self._through_triton(q, k, v, out, lse, scalars, tma)
             if not _KEEPS_KERNELS:
                 return
             _COMPILED[kind] = kernels
         else:
             floats = (scalars.qk_scale, scalars.v_scale, scalars.soft_cap, scalars.sigmoid_bias)
-            for run, tail in kernels:
-                run(*ptrs, *ints, *floats, *self._plan_ptrs, *tail)
+            for run, tail, descriptors in kernels:
+                with self._scratch_turn(descriptors):
+                    run(*ptrs, *ints, *floats, *self._plan_ptrs, *tail)
         self._last = (exact, kernels)
 
-    def _through_triton(self, q, k, v, out, lse, scalars) -> list:
-        """Launch each pass through Triton's JIT; its compiled kernels' launchers, each with its constexpr values."""
+    def _scratch_turn(self, descriptors: bool):
+        """The context of one kernel's launch: :meth:`scratch` as Triton's allocator for a kernel that makes
+        tensor descriptors, nothing for the others."""
+        return prefill.descriptor_scratch(self.scratch) if descriptors else contextlib.nullcontext()
+
+    def _through_triton(self, q, k, v, out, lse, scalars, tma: bool) -> list:
+        """Launch each pass through Triton's JIT (the item kernel with tensor descriptors when ``tma``); its compiled
+        kernels' launchers, each with its constexpr values and whether it makes tensor descriptors."""
         call = call_args(q, k, v, out, lse, self.config, scalars)
-        grid = (*self.grid, 1)  # a compiled kernel's launcher takes all three dimensions
         kernels = []
         with interpreter_turn():
-            for redo in (False, True) if self.config.hidden_keys else (False,):
-                tail = constexprs(self.config, q.dtype, redo)
-                kernel = persistent_attention[self.grid](*call, *self.plan, **tail, num_warps=self.config.num_warps,
-                                                         num_stages=self.config.num_stages,
-                                                         enable_fp_fusion=not self.config.deterministic)
+            for fn, grid, tail in passes(self.config, q.dtype, self.item_capacity, tma):
+                descriptors = bool(tail.get("TMA"))
+                with self._scratch_turn(descriptors):
+                    kernel = fn[grid](*call, *self.plan, **tail, num_warps=self.config.num_warps,
+                                      num_stages=self.config.num_stages,
+                                      enable_fp_fusion=not self.config.deterministic)
                 if _KEEPS_KERNELS:
-                    kernels.append((kernel[grid], tuple(tail[name] for name in _CONSTEXPR_NAMES)))
+                    # A compiled kernel's launcher takes all three grid dimensions.
+                    kernels.append((kernel[(*grid, 1)], tuple(tail[name] for name in constexpr_names(fn)),
+                                    descriptors))
         return kernels

@@ -274,3 +274,15 @@ def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
             DETERMINISTIC=DETERMINISTIC)
         blocks = ahead
     return finish(acc, m_i, l_i, bad, v_scale, SIGMOID)
+
+
+@triton.jit
+def store_state(o_ptr, lse_ptr, rows, head, valid, d, o, lse,  # rows, head, valid [BLOCK_M]; o [BLOCK_M, BLOCK_D]
+                stride_on, stride_oh, stride_od, stride_ln, stride_lh,
+                HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
+    """``o`` and ``lse`` of a tile's rows written to query rows ``rows`` of heads ``head`` (``valid`` rows only)."""
+    r = rows.to(tl.int64)
+    tl.store(o_ptr + r[:, None] * stride_on + head[:, None] * stride_oh + d[None, :] * stride_od,
+             o.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))
+    if STORE_LSE:
+        tl.store(lse_ptr + r * stride_ln + head * stride_lh, lse, mask=valid)

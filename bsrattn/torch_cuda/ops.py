@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from bsrattn.items import ITEM_STRIDE
 from bsrattn.torch_cuda import executor, merge
 from bsrattn.torch_cuda.config import LaunchConfig, Scalars
 from bsrattn.torch_cuda.plan_buffers import SECTIONS
@@ -31,6 +32,10 @@ class _BufferView:
         self.plan, self.mask, self.part_o, self.part_lse, self.sync = plan, mask, part_o, part_lse, sync
         self.merge_rows = sections[-1]
         self.offsets = {name: (sections[2 * i], sections[2 * i + 1]) for i, name in enumerate(SECTIONS)}
+
+    @property
+    def item_capacity(self):
+        return self.offsets["items"][1] // ITEM_STRIDE
 
     def section(self, name):
         at, size = self.offsets[name]

@@ -239,6 +239,11 @@ class PlanBuffers:
         return self._copied is None or self._copied.query()
 
     @property
+    def item_capacity(self) -> int:
+        """Work items the buffers hold (the item kernel's grid, ``prefill.py``)."""
+        return self.capacity.items
+
+    @property
     def workspace_bytes(self) -> int:
         return (self.part_o.numel() + self.part_lse.numel()) * 4
 

@@ -113,7 +113,7 @@ class Runner:
                 sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
                 store_lse=store_lse, dense_rows=self.dense_rows,
                 merges=self.work_plan.num_merges > 0 or spec.split_size is not None,
-                grid=spec.split_size or 0)
+                prefill=cfg.prefill_kernel(spec, self.work_plan, q_dtype, self.dense_rows), grid=spec.split_size or 0)
         return self._configs[key]
 
     def _launch(self, key) -> executor.Launch:

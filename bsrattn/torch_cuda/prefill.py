@@ -1,0 +1,223 @@
+"""Prefill plans that split no row, run by a kernel with one program per work item.
+
+Must match :func:`bsrattn.reference.executor.execute` for the plans :func:`~bsrattn.torch_cuda.config.prefill_kernel`
+gives it: every item a whole query tile over its row's KV (no partial states, no merges), at most a causal mask
+and a soft cap (no fused RoPE, ALiBi, custom mask, sliding window or FlashSigmoid), not deterministic. Such plans
+are what a prefill of at least as many query tiles as CTAs gets (``config.plan_options``), and for them the
+persistent kernel (:mod:`~bsrattn.torch_cuda.executor`) carries what they never use: its loop over a CTA's
+items keeps an item's fields live through both KV loops (252 registers a thread on sm_90 at 8 warps; 218 here).
+
+Program ``(w, h)`` runs item ``w`` for KV head ``h`` and stops. The launch is ``capacity x num_kv_heads``
+programs, the buffers' item capacity (fixed while re-plans fit the buffers, so a captured CUDA graph replays
+any of them); the programs past the plan's items return at once. The hardware starts each program as an SM
+frees up, which evens out the causal triangle's unequal tiles as they run. The tile loop is the microkernel's
+(:func:`~bsrattn.torch_cuda.microkernel.attend_range`: tiles wholly below the diagonal run without masks).
+
+``TMA``: a dense row's K and V tiles come through tensor descriptors, one per row and KV head, made by the
+program (Hopper's bulk tensor copies: no per-slot addresses, and the copy engine zero-fills past the row's
+end); other rows keep the gathered loads, chosen per row at run time, as the persistent kernel chooses its
+dense path. It pays for long rows only (``config.PREFILL_TMA_MIN_KV``); :func:`tma_ready` says which calls can
+(the dtypes, the view, the strides' alignment).
+
+As in the persistent kernel, a hidden key's non-finite value is not dropped here: an item whose output comes
+out non-finite is flagged, and the persistent kernel's second launch (``REDO``) computes it again, dropping such
+values.
+
+How it got here (H200, graph mode, W3 bf16 causal, 32/8 heads, d128, one lease; ``benchmarks/NOTES.md`` has the
+ladder), 16 x 1024 / 16 x U(256,1792) / 1 x 8192 in us:
+
+1. The persistent kernel without merges (executor ladder, step 9): 604 / 668 / 1474.
+2. One program per item, gathered loads, 128 x 64 tiles, 8 warps, 3 stages: 549 / 637 / 1444. 128-slot KV tiles
+   spill (255 registers + 64 bytes): 616 / 701 / 1376; 64-row tiles on 4 warps (two CTAs an SM): 711 / 736 /
+   1636; the same item body in a persistent loop over LPT-balanced CTA lists, one CTA an SM: 639 / 625 / 1339.
+3. Dense rows through tensor descriptors: 559 / 636 / 1268 (434 TF/s at 1 x 8192); with 128-slot KV tiles (254
+   registers, no spill) 607 / 684 / 1270.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import triton
+import triton.language as tl
+
+from bsrattn.torch_cuda import microkernel
+from bsrattn.torch_cuda.config import PREFILL_TMA
+from bsrattn.torch_cuda.gather import block_size_constexpr, kv_strides
+from bsrattn.torch_cuda.indexing import _BLOCK_START, _FIRST_SLOT, _KV_END, _KV_LEN, _KV_START, _QO_END, _QO_FIRST, \
+    _QO_LEN, _QO_START, _STRIDE, query_position, tile_head, tile_query
+from bsrattn.torch_cuda.microkernel import store_state
+
+
+@triton.jit
+def _attend_tma(q, q_pos, valid_m, k_row, v_row, k_slot_stride, v_slot_stride, kv_start, kv_end, qk_scale, v_scale,
+                soft_cap, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
+    """:func:`~bsrattn.torch_cuda.microkernel.attend_range` over slots ``kv_start:kv_end`` of a dense row whose slot
+    ``i`` of K is at ``k_row + i * k_slot_stride`` (V likewise), its tiles copied by the tensor-memory engine."""
+    k_desc = tl.make_tensor_descriptor(k_row, [kv_end, HEAD_DIM], [k_slot_stride, 1], [BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(v_row, [kv_end, HEAD_DIM], [v_slot_stride, 1], [BLOCK_N, BLOCK_D])
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    mid = kv_start
+    if CAUSAL:
+        # Tiles wholly below the diagonal (before the tile's first query position) need no mask.
+        mid = kv_start + tl.maximum(tl.minimum(kv_end, tl.min(q_pos, 0) + 1) - kv_start, 0) // BLOCK_N * BLOCK_N
+        for start in range(kv_start, mid, BLOCK_N):
+            s = microkernel.scores(q, k_desc.load([start, 0]), q, q, q_pos, q_pos, q_pos, qk_scale, soft_cap,
+                                   SOFT_CAP, False, False, PRECISION)
+            acc, m_i, l_i = microkernel.softmax_update(acc, m_i, l_i, s, s, v_desc.load([start, 0]), False,
+                                                       PRECISION, False)
+    for start in range(mid, kv_end, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        s = microkernel.scores(q, k_desc.load([start, 0]), q, q, q_pos, k_pos, q_pos, qk_scale, soft_cap, SOFT_CAP,
+                               False, False, PRECISION)
+        # The copy engine fills slots past kv_end with zeros: finite, and masked here.
+        vis = microkernel.visible(q_pos, k_pos, valid_m, k_pos < kv_end, q_pos, kv_end, -1, k_row, 0, CAUSAL, False,
+                                  False)
+        acc, m_i, l_i = microkernel.softmax_update(acc, m_i, l_i, s, vis, v_desc.load([start, 0]), True, PRECISION,
+                                                   False)
+    return microkernel.finish(acc, m_i, l_i, tl.zeros([BLOCK_M], dtype=tl.float32), v_scale, False)
+
+
+@triton.jit
+def _attend_gathered(q, q_pos, q_local, valid_m, k_head, v_head, kv_indices, row_block_start, first_slot, block_size,
+                     kv_start, kv_end, kv_len, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                     qk_scale, v_scale, soft_cap, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr,
+                     CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
+    """:func:`~bsrattn.torch_cuda.microkernel.attend_range` with this kernel's variants: gathered or affine loads."""
+    none = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return microkernel.attend_range(
+        q, q, q_pos, q_local, valid_m, none, none, 0, k_head, v_head, kv_indices, row_block_start, first_slot,
+        block_size, kv_start, kv_end, kv_len, kv_indices, 0, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+        stride_vd, qk_scale, v_scale, soft_cap, -1, 0.0,
+        HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE,
+        DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=False, SOFT_CAP=SOFT_CAP, ALIBI=False, SIGMOID=False,
+        ROPE=False, CUSTOM_MASK=False, PRECISION=PRECISION, DETERMINISTIC=False, DROP_HIDDEN=False)
+
+
+@triton.jit
+def prefill_attention(
+        # The arguments of executor.persistent_attention, in its order (one launcher call serves both kernels).
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, out [nnz_qo, Hq, D]; k, v: storage view; lse [nnz_qo, Hq]
+        stride_qn, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_on, stride_oh, stride_od,
+        stride_ln, stride_lh, block_size,
+        qk_scale, v_scale, soft_cap, sigmoid_bias,
+        part_o, part_lse, sync,  # no partial states here; sync's item flags mark the items to compute again
+        cta_indptr, items, merge_partials,  # [num_ctas+1]; [W, ITEM_STRIDE]; no merges here
+        kv_indices, mask_ptr, alibi_ptr, rope_ptr, rope_q,  # [nnz] i32; the rest unused
+        stride_pn, stride_ph, stride_pln, stride_plh,
+        window_left, num_kv_heads, merge_rows,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, STORE_LSE: tl.constexpr, DENSE_ROWS: tl.constexpr,
+        PRECISION: tl.constexpr, NUM_CTAS: tl.constexpr, TMA: tl.constexpr):
+    w = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if w < tl.load(cta_indptr + NUM_CTAS):  # programs past the plan's items stop here
+        item_flags = sync + 3 * merge_rows * num_kv_heads
+        item = items + w * _STRIDE
+        qo_start = tl.load(item + _QO_START)
+        qo_end = tl.load(item + _QO_END)
+        kv_start = tl.load(item + _KV_START)
+        kv_end = tl.load(item + _KV_END)
+        qo_first = tl.load(item + _QO_FIRST)
+        qo_len = tl.load(item + _QO_LEN)
+        kv_len = tl.load(item + _KV_LEN)
+        row_block_start = tl.load(item + _BLOCK_START)
+        first_slot = tl.load(item + _FIRST_SLOT)
+        n_rows = (qo_end - qo_start) * GROUP  # at most BLOCK_M: prefill_kernel's condition
+        d = tl.arange(0, BLOCK_D)
+        m = tl.arange(0, BLOCK_M)
+        valid_m = m < n_rows
+        rel = tile_query(m, GROUP)
+        head = tile_head(kv_head, GROUP, m)
+        q_local = qo_start - qo_first + rel
+        q_pos = query_position(qo_len, kv_len, q_local)
+        hi = kv_end
+        if CAUSAL:
+            hi = tl.minimum(hi, query_position(qo_len, kv_len, qo_start - qo_first + tile_query(n_rows - 1, GROUP)) + 1)
+        q = tl.load(q_ptr + (qo_start + rel).to(tl.int64)[:, None] * stride_qn + head[:, None] * stride_qh
+                    + d[None, :] * stride_qd, mask=valid_m[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        k_head = k_ptr + kv_head * stride_kh
+        v_head = v_ptr + kv_head * stride_vh
+        if TMA:
+            if first_slot >= 0:
+                # Slot i of a dense row is pool slot first_slot + i, one stride apart within a block and across
+                # blocks (tma_ready).
+                k_slots = stride_kb if BLOCK_SIZE == 1 else stride_ks
+                v_slots = stride_vb if BLOCK_SIZE == 1 else stride_vs
+                first = first_slot.to(tl.int64)
+                o, lse = _attend_tma(q, q_pos, valid_m, k_head + first * k_slots, v_head + first * v_slots, k_slots,
+                                     v_slots, kv_start, hi, qk_scale, v_scale, soft_cap, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                     BLOCK_D, CAUSAL, SOFT_CAP, PRECISION)
+            else:
+                o, lse = _attend_gathered(q, q_pos, q_local, valid_m, k_head, v_head, kv_indices, row_block_start,
+                                          first_slot, block_size, kv_start, hi, kv_len, stride_kb, stride_ks,
+                                          stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, v_scale, soft_cap,
+                                          HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE_ROWS, CAUSAL,
+                                          SOFT_CAP, PRECISION)
+        else:
+            o, lse = _attend_gathered(q, q_pos, q_local, valid_m, k_head, v_head, kv_indices, row_block_start,
+                                      first_slot, block_size, kv_start, hi, kv_len, stride_kb, stride_ks, stride_kd,
+                                      stride_vb, stride_vs, stride_vd, qk_scale, v_scale, soft_cap, HEAD_DIM, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, BLOCK_SIZE, DENSE_ROWS, CAUSAL, SOFT_CAP, PRECISION)
+        redo = False
+        if CAUSAL:
+            redo |= tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0  # a non-finite row: computed again, hidden values dropped
+        if redo:
+            tl.store(item_flags + w * num_kv_heads + kv_head, 1)
+        else:
+            store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
+                        stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
+
+
+def constexprs(config, q_dtype, tma: bool) -> dict:
+    """The compile-time arguments of :func:`prefill_attention` for ``config``, a ``q`` of ``q_dtype`` and whether
+    the call's dense rows go through tensor descriptors (:func:`tma_ready`)."""
+    import torch
+
+    return dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=block_size_constexpr(config.block_size),
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d, CAUSAL=config.causal,
+                SOFT_CAP=config.soft_cap, STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
+                PRECISION="ieee" if q_dtype == torch.float32 else "tf32", NUM_CTAS=config.num_ctas, TMA=tma)
+
+
+def tma_ready(config, q, k, v) -> bool:
+    """Whether this call's dense rows can be read through tensor descriptors: the configuration asks for it
+    (:data:`~bsrattn.torch_cuda.config.PREFILL_TMA`), K and V have ``q``'s 16-bit dtype, a dense row's slots are one
+    stride apart (the 3-D view, or NHD with consecutive blocks back to back: not HND, whose heads interleave a
+    block's slots), the head dimension is contiguous, and every address and stride the descriptors take is a
+    multiple of 16 bytes."""
+    if config.prefill != PREFILL_TMA or config.kv_view == "HND":
+        return False
+    for x in (k, v):
+        if x.dtype != q.dtype or x.element_size() != 2 or x.data_ptr() % 16:
+            return False
+        stride_block, stride_slot, stride_head, stride_dim = kv_strides(x, config.kv_view)
+        slot = stride_block if config.kv_view == "NHD3" else stride_slot
+        if config.kv_view == "NHD" and stride_block != config.block_size * stride_slot:
+            return False
+        if stride_dim != 1 or (slot * 2) % 16 or (stride_head * 2) % 16:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def descriptor_scratch(allocator):
+    """A context in which to launch a kernel that makes tensor descriptors: Triton asks its allocator for their
+    global scratch at every launch, and gets ``allocator``'s (``executor.Launch.scratch``: one buffer per launch
+    configuration, so a captured CUDA graph replays a fixed address). Triton's allocator is a context variable,
+    which ``triton.set_allocator`` sets for good: here it is set for the launch and restored after it."""
+    from triton.runtime import _allocation
+
+    token = _allocation._allocator.set(allocator)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
