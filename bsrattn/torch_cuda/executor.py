@@ -71,6 +71,10 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
     Tried: the fold inside the tile loops, pipelined across a chunk's end: the decode tile spills (255
     registers + 208 bytes), 1.04x / 1.33x / 1.26x / 1.07x.
 
+12. ``536d2e9`` plans that split no row, with at most a causal mask and a soft cap, run the item kernel of
+    :mod:`~bsrattn.torch_cuda.prefill` instead (one program per item; tensor descriptors for the dense rows of
+    long plans): prefill 551 / 1290 us (250 / 426 TF/s); this kernel's ``REDO`` launch still serves them.
+
 Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
 per query tile).
 """

@@ -23,15 +23,16 @@ As in the persistent kernel, a hidden key's non-finite value is not dropped here
 out non-finite is flagged, and the persistent kernel's second launch (``REDO``) computes it again, dropping such
 values.
 
-How it got here (H200, graph mode, W3 bf16 causal, 32/8 heads, d128, one lease; ``benchmarks/NOTES.md`` has the
-ladder), 16 x 1024 / 16 x U(256,1792) / 1 x 8192 in us:
+How it got here (H200, graph mode, W3 bf16 causal, 32/8 heads, d128; ``benchmarks/NOTES.md`` has the ladder with
+its predictions), 16 x 1024 / 16 x U(256,1792) / 1 x 8192 in us:
 
 1. The persistent kernel without merges (executor ladder, step 9): 604 / 668 / 1474.
-2. One program per item, gathered loads, 128 x 64 tiles, 8 warps, 3 stages: 549 / 637 / 1444. 128-slot KV tiles
-   spill (255 registers + 64 bytes): 616 / 701 / 1376; 64-row tiles on 4 warps (two CTAs an SM): 711 / 736 /
-   1636; the same item body in a persistent loop over LPT-balanced CTA lists, one CTA an SM: 639 / 625 / 1339.
-3. Dense rows through tensor descriptors: 559 / 636 / 1268 (434 TF/s at 1 x 8192); with 128-slot KV tiles (254
-   registers, no spill) 607 / 684 / 1270.
+2. One program per item, gathered loads, 128 x 64 tiles, 8 warps, 3 stages: 549 / 637 / 1443. Tried beside it:
+   128-slot KV tiles (they spill: 255 registers + 64 bytes) 616 / 701 / 1376; 64-row tiles on 4 warps, two CTAs an
+   SM, 711 / 736 / 1636; the same item body in a persistent loop over the LPT-balanced CTA lists, 639 / 625 / 1339.
+3. Dense rows through tensor descriptors: 559 / 636 / 1268 when every row is dense; with the per-row choice of
+   the two load paths 573 / 650 / 1288. They pay for long rows only, hence ``config.PREFILL_TMA_MIN_KV``; shipped
+   (the quick suite at ``536d2e9``): 551 / 639 / 1290 us, 250 / 265 / 426 TF/s.
 """
 
 from __future__ import annotations
