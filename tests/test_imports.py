@@ -77,7 +77,7 @@ SHARED_TIER_MODULES = {
 TIER_ONLY_MODULES = {
     "reference": {"attention"},
     "numba_cuda": {"formats", "launch"},
-    "torch_cuda": {"indexing", "ops", "plan_buffers"},
+    "torch_cuda": {"indexing", "ops", "plan_buffers", "prefill"},
 }
 """What a tier has beyond them; each says in its docstring's first line what it is for."""
 

@@ -173,8 +173,7 @@ tensor descriptors."""
 PREFILL_TMA_MIN_KV = 4096
 """The item kernel reads dense rows through tensor descriptors for plans whose items average this many KV slots or
 more. Measured on the H200 (W3, bf16 causal; NOTES.md): 1 x 8192 1443 -> 1288 us, but 16 x 1024 551 -> 573 us and
-16 x U(256,1792) 640 -> 650 us: the kernel carries both load paths (rows that are not dense keep the gathered one),
-which costs the short rows more than the copies save them."""
+16 x U(256,1792) 640 -> 650 us: a short row's few tiles do not repay making its descriptors."""
 
 
 def prefill_kernel(spec, work_plan, q_dtype: str, dense_rows: bool) -> int:

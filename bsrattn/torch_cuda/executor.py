@@ -98,6 +98,7 @@ from bsrattn.torch_cuda.indexing import _BLOCK_START, _FIRST_SLOT, _KV_END, _KV_
 from bsrattn.torch_cuda.merge import fold_partials, merge_pair
 from bsrattn.torch_cuda.microkernel import store_state
 
+
 @triton.jit
 def persistent_attention(
         # The call's tensors and scalars (call_args) ...
