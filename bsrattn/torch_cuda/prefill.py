@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from bsrattn.torch_cuda import microkernel
 from bsrattn.torch_cuda.config import PREFILL_TMA
@@ -181,8 +183,6 @@ def prefill_attention(
 def constexprs(config, q_dtype, tma: bool) -> dict:
     """The compile-time arguments of :func:`prefill_attention` for ``config``, a ``q`` of ``q_dtype`` and whether
     the call's dense rows go through tensor descriptors (:func:`tma_ready`)."""
-    import torch
-
     return dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=block_size_constexpr(config.block_size),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d, CAUSAL=config.causal,
                 SOFT_CAP=config.soft_cap, STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
@@ -215,8 +215,6 @@ def descriptor_scratch(allocator):
     global scratch at every launch, and gets ``allocator``'s (``executor.Launch.scratch``: one buffer per launch
     configuration, so a captured CUDA graph replays a fixed address). Triton's allocator is a context variable,
     which ``triton.set_allocator`` sets for good: here it is set for the launch and restored after it."""
-    from triton.runtime import _allocation
-
     token = _allocation._allocator.set(allocator)
     try:
         yield
