@@ -25,10 +25,12 @@ if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# The mutation check (tests/mutation_check.py): a fault needs one failing example, not the smallest one.
+settings.register_profile("mutants", settings.get_profile("ci"), phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.register_profile("dev", deadline=None, max_examples=100)
 settings.register_profile("gpu", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -11,11 +11,13 @@ what "matches" means (``bsrattn.testing``'s error budget, or its float64 table e
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 import bsrattn as ba
 from bsrattn.testing import assert_close, assert_within_budget, naive_attention_row
@@ -471,3 +473,17 @@ def generate_each(model, prompts, counts, system=None) -> list:
         with torch.no_grad():
             out.append(model.generate(full[None], max_new_tokens=n, do_sample=False)[0, full.numel():].tolist())
     return out
+
+
+def compiled_or_python(*host_loops):
+    """A fixture running its tests twice: with ``host_loops`` (``bsrattn.compiled.Compiled``) compiled by Numba,
+    then as their plain-Python source, as when Numba is not installed (the same source: a fault in it fails
+    both, and the second costs no compilation)."""
+    @pytest.fixture(params=["compiled", "python"])
+    def implementation(request):
+        with contextlib.ExitStack() as stack:
+            if request.param == "python":
+                for loop in host_loops:
+                    stack.enter_context(loop.as_python())
+            yield request.param
+    return implementation

@@ -18,6 +18,11 @@ file: a tuple of snippets and a tuple of their replacements); ``tests`` are pyte
 repository root) that must fail on the mutant, chosen fast. Before the mutants, the union of all
 named tests runs once on the unmutated copy and must pass, so a kill always means the fault was caught.
 
+Each job slot keeps a server process that has imported what every run imports (numpy, torch, triton, numba,
+pytest, hypothesis; 3-4 s on two cores), with the environment the repository's ``conftest.py`` sets; each
+pytest run is a child forked from it, so a mutant pays for its own tests only. The child checks that
+``bsrattn`` resolves to its copy before it runs them.
+
 Run ``python tests/mutation_check.py [--jobs N] [NAME ...]``: it prints each mutant's outcome, the kill rate
 and the survivors, and exits non-zero unless every mutant is killed. ``tests/test_mutations.py`` runs it in CI.
 """
@@ -25,13 +30,18 @@ and the survivors, and exits non-zero unless every mutant is killed. ``tests/tes
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import json
 import os
 import py_compile
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +75,7 @@ NUMBA = ("tests/test_numba_tier.py::test_every_layout_kind", "tests/test_numba_t
 TORCH = ("tests/test_torch_tier.py::test_variants_with_split_plans",)
 FLOAT16_BUDGET = ("tests/test_wrong_implementations.py::test_one_percent_noise_in_float16_is_rejected",
                   "tests/test_wrong_implementations.py::test_a_float16_accumulator_is_rejected")
-COVERAGE = ("tests/test_scheduler.py::test_plan_covers_every_row_and_kv_slot_exactly_once",)
+COVERAGE = ("tests/test_scheduler.py::test_plan_covers_every_row_and_kv_slot_exactly_once[python]",)
 AFTER_A_GOOD_CALL = ("tests/test_bad_inputs.py::test_run_checks_again_whatever_differs_from_the_last_call_that_passed",)
 
 
@@ -161,7 +171,7 @@ MUTANTS = (
     Mutant("the idle CTAs handed the first items", "bsrattn/scheduler.py",
            "idle = np.full(num_ctas - busy, work_plan.cta_indptr[-1], dtype=work_plan.cta_indptr.dtype)",
            "idle = np.full(num_ctas - busy, 0, dtype=work_plan.cta_indptr.dtype)",
-           ("tests/test_scheduler.py::test_busy_ctas_balances_over_the_first_ctas_and_leaves_the_rest_empty",)),
+           ("tests/test_scheduler.py::test_busy_ctas_balances_over_the_first_ctas_and_leaves_the_rest_empty[python]",)),
     Mutant("deterministic mode's chunks computed as a normal item's (BLAS over the item's shapes)",
            "bsrattn/reference/executor.py",
            "state_of = attend_range if spec.split_size is None else grid_state", "state_of = attend_range",
@@ -185,7 +195,7 @@ MUTANTS = (
            "lead = (_chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align) + split - 1) // split * split",
            "lead = _chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align)",
            ("tests/test_scheduler.py::"
-            "test_lead_items_gives_a_row_one_first_item_of_l_kv_on_the_grid_then_single_chunks",)),
+            "test_lead_items_gives_a_row_one_first_item_of_l_kv_on_the_grid_then_single_chunks[python]",)),
     Mutant("a deterministic row cut into items of several chunks each (their folds regrouped)", "bsrattn/scheduler.py",
            ("chunks[r] = 1 + max(0, (kv[r] - lead + chunk - 1) // chunk)",
             "ks[w] = 0 if c == 0 else lead + (c - 1) * chunk", "min(lead + c * chunk, kv[r])"),
@@ -332,14 +342,104 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def _env(workdir: Path) -> dict:
-    """The environment with the copy in ``workdir`` first on ``PYTHONPATH``."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")])))
+PRELOADED = ("numpy", "torch", "triton", "numba", "numba.cuda", "pytest", "hypothesis")
+REPLY = "mutant-server: "  # marks the server's answers on its stdout
+NOT_THE_COPY = 99  # a child's exit code when ``import bsrattn`` would not find the copy it was sent to test
 
 
-def _pytest(workdir: Path, tests) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                          cwd=workdir, env=_env(workdir), capture_output=True, text=True, timeout=TIMEOUT_S)
+@dataclass
+class Run:
+    """One pytest run in a copy: its exit code (``None``: killed after ``TIMEOUT_S``) and what it printed."""
+
+    returncode: int | None
+    stdout: str
+
+
+def _pytest_child(workdir: Path, tests, log: Path):
+    """In a child forked from the server: run ``tests`` in the copy at ``workdir``, output to ``log``; never
+    returns."""
+    code = 1
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.chdir(workdir)
+        sys.path.insert(0, str(workdir))
+        # what the tests start in subprocesses imports the copy too
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))
+        os.environ["HYPOTHESIS_PROFILE"] = "mutants"  # conftest.py's: no shrinking of a failing example
+        origin = Path(importlib.util.find_spec("bsrattn").origin).resolve()
+        if not origin.is_relative_to(workdir.resolve()):
+            print(f"the copy in {workdir} does not shadow the installed package: bsrattn is {origin}")
+            code = NOT_THE_COPY
+        else:
+            import pytest
+            code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests]))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait(pid: int, timeout: float) -> int | None:
+    """The exit code of child ``pid``, or ``None`` after killing it at ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.05)
+
+
+def serve():
+    """The server's loop: preload, then one forked pytest run per request line, one at a time."""
+    sys.path.remove(str(Path(__file__).resolve().parent))  # the copies' tests, not these, are the ones to import
+    setup = importlib.util.spec_from_file_location("_suite_setup", ROOT / "conftest.py")
+    setup.loader.exec_module(importlib.util.module_from_spec(setup))  # the simulators' environment, as in pytest
+    for name in PRELOADED:
+        importlib.import_module(name)
+    for line in sys.stdin:
+        request = json.loads(line)
+        workdir, log = Path(request["workdir"]), Path(request["log"])
+        pid = os.fork()
+        if pid == 0:
+            _pytest_child(workdir, request["tests"], log)
+        print(REPLY + json.dumps(_wait(pid, TIMEOUT_S)), flush=True)
+
+
+class Server:
+    """A client of one :func:`serve` process (one job slot: the runs it is sent go one at a time)."""
+
+    def __init__(self):
+        self._process = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self._lock = threading.Lock()
+
+    def pytest(self, workdir: Path, tests) -> Run:
+        log = workdir.with_name(workdir.name + ".log")
+        with self._lock:
+            self._process.stdin.write(json.dumps(dict(workdir=str(workdir), tests=list(tests), log=str(log))) + "\n")
+            self._process.stdin.flush()
+            for line in self._process.stdout:
+                if line.startswith(REPLY):
+                    break
+            else:
+                raise RuntimeError(f"the mutant server exited (code {self._process.wait()})")
+        code = json.loads(line[len(REPLY):])
+        stdout = log.read_text(errors="replace") if log.exists() else ""
+        log.unlink(missing_ok=True)
+        if code == NOT_THE_COPY:
+            raise RuntimeError(stdout)
+        return Run(code, stdout)
+
+    def close(self):
+        self._process.stdin.close()
+        self._process.wait()
 
 
 def copy_repository(target: Path) -> Path:
@@ -352,14 +452,6 @@ def copy_repository(target: Path) -> Path:
         else:
             shutil.copy2(source, target / name)
     return target
-
-
-def check_imports_the_copy(workdir: Path):
-    """Raise unless ``import bsrattn`` from ``workdir`` (as :func:`_pytest` runs) finds the copy."""
-    found = subprocess.run([sys.executable, "-c", "import bsrattn; print(bsrattn.__file__)"], cwd=workdir,
-                           env=_env(workdir), capture_output=True, text=True, check=True).stdout.strip()
-    if not Path(found).resolve().is_relative_to(workdir.resolve()):
-        raise RuntimeError(f"the copy in {workdir} does not shadow the installed package: bsrattn is {found}")
 
 
 def mutate(mutant: Mutant, workdir: Path):
@@ -375,7 +467,27 @@ def mutate(mutant: Mutant, workdir: Path):
     py_compile.compile(str(path), doraise=True)
 
 
-def run_mutant(mutant: Mutant, base: Path, scratch: Path) -> Outcome:
+class Servers:
+    """``jobs`` servers; :meth:`pytest` runs on whichever is free."""
+
+    def __init__(self, jobs: int):
+        self._free = queue.Queue()
+        for _ in range(jobs):
+            self._free.put(Server())
+
+    def pytest(self, workdir: Path, tests) -> Run:
+        server = self._free.get()
+        try:
+            return server.pytest(workdir, tests)
+        finally:
+            self._free.put(server)
+
+    def close(self):
+        while not self._free.empty():
+            self._free.get().close()
+
+
+def run_mutant(mutant: Mutant, base: Path, scratch: Path, servers: Servers) -> Outcome:
     start = time.perf_counter()
     workdir = scratch / mutant.name.replace(" ", "_").replace(":", "").replace("/", "_")
     shutil.copytree(base, workdir)
@@ -384,20 +496,19 @@ def run_mutant(mutant: Mutant, base: Path, scratch: Path) -> Outcome:
     except (ValueError, py_compile.PyCompileError) as err:
         return Outcome(mutant, "error", str(err), time.perf_counter() - start)
     try:
-        result = _pytest(workdir, mutant.tests)
-    except subprocess.TimeoutExpired:
-        return Outcome(mutant, "killed", f"its tests ran past {TIMEOUT_S} s", time.perf_counter() - start)
+        result = servers.pytest(workdir, mutant.tests)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     seconds = time.perf_counter() - start
+    if result.returncode is None:
+        return Outcome(mutant, "killed", f"its tests ran past {TIMEOUT_S} s", seconds)
     # 1: a test failed; 2: collecting the tests failed, which the control run shows only the fault can cause.
     if result.returncode in (1, 2):
         failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
         return Outcome(mutant, "killed", failed[0] if failed else _tail(result.stdout, 3), seconds)
     if result.returncode == 0:
         return Outcome(mutant, "survived", f"passed: {' '.join(mutant.tests)}", seconds)
-    return Outcome(mutant, "error", f"pytest exit code {result.returncode}:\n{_tail(result.stdout + result.stderr)}",
-                   seconds)
+    return Outcome(mutant, "error", f"pytest exit code {result.returncode}:\n{_tail(result.stdout)}", seconds)
 
 
 def run(names=(), jobs: int = 2, out=sys.stdout) -> list:
@@ -406,22 +517,25 @@ def run(names=(), jobs: int = 2, out=sys.stdout) -> list:
     unknown = set(names) - {m.name for m in MUTANTS}
     if unknown:
         raise ValueError(f"no mutants named {sorted(unknown)}")
-    with tempfile.TemporaryDirectory(prefix="bsrattn-mutants-") as scratch:
-        scratch = Path(scratch)
-        base = copy_repository(scratch / "base")
-        check_imports_the_copy(base)
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            control_tests = sorted({t for m in chosen for t in m.tests})
-            control = pool.submit(_pytest, base, control_tests)
-            outcomes = []
-            for outcome in pool.map(lambda m: run_mutant(m, base, scratch), chosen):
-                print(f"{outcome.status:>8}  {outcome.mutant.name}  ({outcome.seconds:.0f} s)  {outcome.detail}",
-                      file=out, flush=True)
-                outcomes.append(outcome)
-            control = control.result()
+    servers = Servers(jobs)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bsrattn-mutants-") as scratch:
+            scratch = Path(scratch)
+            base = copy_repository(scratch / "base")
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                control_tests = sorted({t for m in chosen for t in m.tests})
+                control = pool.submit(servers.pytest, base, control_tests)
+                outcomes = []
+                for outcome in pool.map(lambda m: run_mutant(m, base, scratch, servers), chosen):
+                    print(f"{outcome.status:>8}  {outcome.mutant.name}  ({outcome.seconds:.0f} s)  "
+                          f"{outcome.detail}", file=out, flush=True)
+                    outcomes.append(outcome)
+                control = control.result()
+    finally:
+        servers.close()
     if control.returncode != 0:
         raise RuntimeError(f"the named tests fail without any mutation (exit code {control.returncode}):\n"
-                           f"{_tail(control.stdout + control.stderr)}")
+                           f"{_tail(control.stdout)}")
     return outcomes
 
 
@@ -441,7 +555,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="run only these mutants (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default: 2)")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve:
+        serve()
+        return 0
     start = time.perf_counter()
     outcomes = run(args.names, args.jobs)
     return 0 if report(outcomes, time.perf_counter() - start) else 1

@@ -26,6 +26,7 @@ from bsrattn.items import ITEM, ITEM_FIELDS, ITEM_STRIDE, item_table
 from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
 from bsrattn.torch_cuda.runner import Runner
 from bsrattn.validation import make_spec
+from helpers import compiled_or_python
 from strategies import layout_cases, plan_kwargs
 
 DEVICE = torch.device("cpu" if tcfg.interpreting() else "cuda")
@@ -108,14 +109,7 @@ def _capacity(*planned):
                                           ("items", "merges", "partials", "nnz", "mask", "partial_rows", "queries")))
 
 
-@pytest.fixture(params=["compiled", "python"])
-def implementation(request):
-    """The compiled passes (Numba), or their pure-Python fallbacks, as when Numba is not installed."""
-    if request.param == "python":
-        with scheduler._core.as_python(), plan_buffers._packer.as_python():
-            yield request.param
-    else:
-        yield request.param
+implementation = compiled_or_python(scheduler._core, plan_buffers._packer)
 
 
 def test_packed_sections_equal_a_plain_construction(implementation):

@@ -16,7 +16,7 @@ from bsrattn.indexing import ceil_div
 from bsrattn.reference import attention_rows, execute
 from bsrattn.testing import assert_close
 from bsrattn.validation import make_spec
-from helpers import call_inputs, check_plan_coverage, raw_tensors
+from helpers import call_inputs, check_plan_coverage, compiled_or_python, raw_tensors
 from strategies import plan_kwargs, problems
 
 
@@ -28,9 +28,15 @@ def lengths(draw, max_batch=12, max_qo=20, max_kv=300):
     return qo, kv
 
 
-@given(lengths(), plan_kwargs())
-def test_plan_covers_every_row_and_kv_slot_exactly_once(lens, kwargs):
-    check_plan_coverage(scheduler.plan(*lens, **kwargs), *lens)
+implementation = compiled_or_python(scheduler._core)
+
+
+def test_plan_covers_every_row_and_kv_slot_exactly_once(implementation):
+    @given(lengths(), plan_kwargs())
+    def check(lens, kwargs):
+        check_plan_coverage(scheduler.plan(*lens, **kwargs), *lens)
+
+    check()
 
 
 @given(lengths(), st.integers(1, 16), st.integers(1, 8))
@@ -136,21 +142,24 @@ def test_disable_split_kv_gives_one_item_per_tile(lens, num_ctas, tile_q):
     np.testing.assert_array_equal(work_plan.item_kv_end, np.asarray(kv)[work_plan.item_row])
 
 
-@given(lengths(), plan_kwargs(), st.integers(1, 8))
-def test_busy_ctas_balances_over_the_first_ctas_and_leaves_the_rest_empty(lens, kwargs, extra):
+def test_busy_ctas_balances_over_the_first_ctas_and_leaves_the_rest_empty(implementation):
     """``busy_ctas`` plans exactly as ``num_ctas=busy_ctas`` would, in a grid of ``num_ctas`` whose last CTAs
     get no item."""
-    busy = kwargs["num_ctas"]
-    work_plan = scheduler.plan(*lens, **dict(kwargs, num_ctas=busy + extra), busy_ctas=busy)
-    want = scheduler.plan(*lens, **kwargs)
-    assert work_plan.num_ctas == busy + extra
-    np.testing.assert_array_equal(work_plan.cta_indptr, np.r_[want.cta_indptr, [want.cta_indptr[-1]] * extra])
-    for f in fields(scheduler.WorkPlan):
-        if f.name not in ("num_ctas", "cta_indptr"):
-            np.testing.assert_array_equal(getattr(work_plan, f.name), getattr(want, f.name), err_msg=f.name)
-    check_plan_coverage(work_plan, *lens)
-    with pytest.raises(ValueError, match=f"busy_ctas must be <= {busy + extra}"):
-        scheduler.plan(*lens, **dict(kwargs, num_ctas=busy + extra), busy_ctas=busy + extra + 1)
+    @given(lengths(), plan_kwargs(), st.integers(1, 8))
+    def check(lens, kwargs, extra):
+        busy = kwargs["num_ctas"]
+        work_plan = scheduler.plan(*lens, **dict(kwargs, num_ctas=busy + extra), busy_ctas=busy)
+        want = scheduler.plan(*lens, **kwargs)
+        assert work_plan.num_ctas == busy + extra
+        np.testing.assert_array_equal(work_plan.cta_indptr, np.r_[want.cta_indptr, [want.cta_indptr[-1]] * extra])
+        for f in fields(scheduler.WorkPlan):
+            if f.name not in ("num_ctas", "cta_indptr"):
+                np.testing.assert_array_equal(getattr(work_plan, f.name), getattr(want, f.name), err_msg=f.name)
+        check_plan_coverage(work_plan, *lens)
+        with pytest.raises(ValueError, match=f"busy_ctas must be <= {busy + extra}"):
+            scheduler.plan(*lens, **dict(kwargs, num_ctas=busy + extra), busy_ctas=busy + extra + 1)
+
+    check()
 
 
 # ---- the seed's makespan table (ratio of round-robin's makespan to the plan's, 132 CTAs) ------------------
@@ -208,7 +217,7 @@ def test_the_makespan_study_is_reexported_by_the_scheduler():
         assert getattr(scheduler, name) is getattr(makespan, name)
 
 
-def test_lead_items_gives_a_row_one_first_item_of_l_kv_on_the_grid_then_single_chunks():
+def test_lead_items_gives_a_row_one_first_item_of_l_kv_on_the_grid_then_single_chunks(implementation):
     """With ``lead_items``, a row's first item covers Algorithm 1's ``L_kv`` rounded up to a multiple of
     ``fixed_split_size``; the rest of a longer row is cut at every grid point."""
     p = scheduler.plan([1, 1], [5000, 300], num_ctas=4, fixed_split_size=1024, lead_items=True)
