@@ -105,7 +105,7 @@ def batches(draw):
     the grid, the variant and the two calls' ``num_ctas``."""
     n = draw(st.integers(1, 4))
     lengths = draw(st.lists(st.integers(1, 160), min_size=n, max_size=n))
-    queries = lambda i: st.integers(1, min(lengths[i], 40))  # noqa: E731
+    queries = lambda i: st.integers(1, min(lengths[i], 16))  # noqa: E731
     first = [(i, draw(queries(i))) for i in range(n)]
     subset = draw(st.lists(st.sampled_from(range(n)), min_size=1, max_size=n, unique=True))
     second = [(i, draw(queries(i))) for i in subset]
@@ -155,7 +155,7 @@ def test_a_window_cuts_its_keys_into_the_same_tiles_in_a_decode_step_and_a_prefi
 def shared_prefixes(draw):
     prefix_pages = draw(st.integers(1, 9))
     suffixes = draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))
-    queries = [draw(st.integers(1, n)) for n in suffixes]
+    queries = [draw(st.integers(1, min(n, 16))) for n in suffixes]
     return prefix_pages * PAGE, suffixes, queries, draw(st.sampled_from([64, 128])), draw(st.integers(0, 2**32 - 1))
 
 
@@ -205,7 +205,7 @@ def kv_pieces(draw):
     split = draw(st.sampled_from([64, 128]))
     length = draw(st.integers(1, 3 * split))
     cut = (length - 1) // split * split  # the last grid point before the end: the second piece is one chunk
-    queries = draw(st.integers(1, length - cut))
+    queries = draw(st.integers(1, min(16, length - cut)))  # a prefill's last rows: a few query tiles
     return length, cut, queries, split, draw(st.integers(0, 2**32 - 1))
 
 
