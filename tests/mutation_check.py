@@ -399,6 +399,7 @@ def _wait(pid: int, timeout: float) -> int | None:
 def serve():
     """The server's loop: preload, then one forked pytest run per request line, one at a time."""
     sys.path.remove(str(Path(__file__).resolve().parent))  # the copies' tests, not these, are the ones to import
+    os.nice(10)  # beside the rest of the suite (pytest -n), its tests come first: some of them time calls
     setup = importlib.util.spec_from_file_location("_suite_setup", ROOT / "conftest.py")
     setup.loader.exec_module(importlib.util.module_from_spec(setup))  # the simulators' environment, as in pytest
     for name in PRELOADED:
