@@ -243,7 +243,7 @@ def test_attention_sinks_join_the_denominator_once(backend, how):
     for dtype in backend.dtypes:
         if how in ("one-shot", "empty row"):
             check_attention(attention_call(backend, problem, dtype), problem, dtype, name=f"{backend.name} {how}")
-        run, attn = batch_call(backend, problem, dtype, dict(num_ctas=3, fixed_split_size=2))
+        run, attn = batch_call(backend, problem, dtype, dict(num_ctas=3, fixed_split_size=4))
         check_attention(run, problem, dtype, name=f"{backend.name} {how} planned")
         assert how == "empty row" or any(p.num_merges for p in attn.work_plans), "the plan must split rows"
 
@@ -263,7 +263,7 @@ def test_fused_rope(backend, name, rows):
     problem = paged_problem(ROPE[name], **raw)
     for dtype in backend.dtypes:
         check_attention(attention_call(backend, problem, dtype), problem, dtype, name=f"{backend.name} {name}")
-        run, attn = batch_call(backend, problem, dtype, dict(num_ctas=3, fixed_split_size=5))
+        run, attn = batch_call(backend, problem, dtype, dict(num_ctas=3, fixed_split_size=8))
         check_attention(run, problem, dtype, name=f"{backend.name} {name} split plan")
         assert attn.work_plans[0].num_merges > 0, "the plan must split rows"
 
