@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,7 +171,8 @@ MUTANTS = (
     Mutant("the idle CTAs handed the first items", "bsrattn/scheduler.py",
            "idle = np.full(num_ctas - busy, work_plan.cta_indptr[-1], dtype=work_plan.cta_indptr.dtype)",
            "idle = np.full(num_ctas - busy, 0, dtype=work_plan.cta_indptr.dtype)",
-           ("tests/test_scheduler.py::test_busy_ctas_balances_over_the_first_ctas_and_leaves_the_rest_empty[python]",)),
+           ("tests/test_scheduler.py::"
+            "test_busy_ctas_balances_over_the_first_ctas_and_leaves_the_rest_empty[python]",)),
     Mutant("deterministic mode's chunks computed as a normal item's (BLAS over the item's shapes)",
            "bsrattn/reference/executor.py",
            "state_of = attend_range if spec.split_size is None else grid_state", "state_of = attend_range",
@@ -345,6 +346,7 @@ def _tail(text: str, lines: int = 15) -> str:
 PRELOADED = ("numpy", "torch", "triton", "numba", "numba.cuda", "pytest", "hypothesis")
 REPLY = "mutant-server: "  # marks the server's answers on its stdout
 NOT_THE_COPY = 99  # a child's exit code when ``import bsrattn`` would not find the copy it was sent to test
+CHILD_FAILED = 98  # a child's exit code when it failed before pytest could run (the traceback is in its output)
 
 
 @dataclass
@@ -352,13 +354,13 @@ class Run:
     """One pytest run in a copy: its exit code (``None``: killed after ``TIMEOUT_S``) and what it printed."""
 
     returncode: int | None
-    stdout: str
+    output: str
 
 
 def _pytest_child(workdir: Path, tests, log: Path):
     """In a child forked from the server: run ``tests`` in the copy at ``workdir``, output to ``log``; never
     returns."""
-    code = 1
+    code = CHILD_FAILED
     try:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
@@ -376,6 +378,8 @@ def _pytest_child(workdir: Path, tests, log: Path):
         else:
             import pytest
             code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests]))
+    except BaseException:  # noqa: BLE001 - whatever it was, the output says it and the run counts as an error
+        traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -398,7 +402,8 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 def serve():
     """The server's loop: preload, then one forked pytest run per request line, one at a time."""
-    sys.path.remove(str(Path(__file__).resolve().parent))  # the copies' tests, not these, are the ones to import
+    here = Path(__file__).resolve().parent  # the copies' tests, not these, are the ones to import
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     os.nice(10)  # beside the rest of the suite (pytest -n), its tests come first: some of them time calls
     setup = importlib.util.spec_from_file_location("_suite_setup", ROOT / "conftest.py")
     setup.loader.exec_module(importlib.util.module_from_spec(setup))  # the simulators' environment, as in pytest
@@ -414,29 +419,27 @@ def serve():
 
 
 class Server:
-    """A client of one :func:`serve` process (one job slot: the runs it is sent go one at a time)."""
+    """A client of one :func:`serve` process: one job slot, sent one run at a time (:class:`Servers`)."""
 
     def __init__(self):
         self._process = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        self._lock = threading.Lock()
 
     def pytest(self, workdir: Path, tests) -> Run:
         log = workdir.with_name(workdir.name + ".log")
-        with self._lock:
-            self._process.stdin.write(json.dumps(dict(workdir=str(workdir), tests=list(tests), log=str(log))) + "\n")
-            self._process.stdin.flush()
-            for line in self._process.stdout:
-                if line.startswith(REPLY):
-                    break
-            else:
-                raise RuntimeError(f"the mutant server exited (code {self._process.wait()})")
+        self._process.stdin.write(json.dumps(dict(workdir=str(workdir), tests=list(tests), log=str(log))) + "\n")
+        self._process.stdin.flush()
+        for line in self._process.stdout:
+            if line.startswith(REPLY):
+                break
+        else:
+            raise RuntimeError(f"the mutant server exited (code {self._process.wait()})")
         code = json.loads(line[len(REPLY):])
-        stdout = log.read_text(errors="replace") if log.exists() else ""
+        output = log.read_text(errors="replace") if log.exists() else ""
         log.unlink(missing_ok=True)
         if code == NOT_THE_COPY:
-            raise RuntimeError(stdout)
-        return Run(code, stdout)
+            raise RuntimeError(output)
+        return Run(code, output)
 
     def close(self):
         self._process.stdin.close()
@@ -505,11 +508,11 @@ def run_mutant(mutant: Mutant, base: Path, scratch: Path, servers: Servers) -> O
         return Outcome(mutant, "killed", f"its tests ran past {TIMEOUT_S} s", seconds)
     # 1: a test failed; 2: collecting the tests failed, which the control run shows only the fault can cause.
     if result.returncode in (1, 2):
-        failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-        return Outcome(mutant, "killed", failed[0] if failed else _tail(result.stdout, 3), seconds)
+        failed = [line for line in result.output.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        return Outcome(mutant, "killed", failed[0] if failed else _tail(result.output, 3), seconds)
     if result.returncode == 0:
         return Outcome(mutant, "survived", f"passed: {' '.join(mutant.tests)}", seconds)
-    return Outcome(mutant, "error", f"pytest exit code {result.returncode}:\n{_tail(result.stdout)}", seconds)
+    return Outcome(mutant, "error", f"pytest exit code {result.returncode}:\n{_tail(result.output)}", seconds)
 
 
 def run(names=(), jobs: int = 2, out=sys.stdout) -> list:
@@ -536,7 +539,7 @@ def run(names=(), jobs: int = 2, out=sys.stdout) -> list:
         servers.close()
     if control.returncode != 0:
         raise RuntimeError(f"the named tests fail without any mutation (exit code {control.returncode}):\n"
-                           f"{_tail(control.stdout)}")
+                           f"{_tail(control.output)}")
     return outcomes
 
 
