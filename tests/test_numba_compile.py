@@ -38,5 +38,7 @@ def test_every_kernel_compiles_for_sm90():
         if part.returncode == NO_COMPILER:
             pytest.skip(f"no CUDA compiler here (install numba-cuda[cu13]): {stdout.strip()[-300:]}")
         assert part.returncode == 0, stdout[-4000:] + stderr[-4000:]
-        counts.append(re.search(r"(\d+) of (\d+) kernels compiled for sm_90, 0 failed", stdout).groups())
+        found = re.search(r"(\d+) of (\d+) kernels compiled for sm_90, 0 failed", stdout)
+        assert found, stdout[-4000:]
+        counts.append(found.groups())
     assert sum(int(done) for done, _ in counts) == int(counts[0][1]), f"the shares miss kernels: {counts}"
