@@ -246,6 +246,7 @@ class BatchAttention:
         self._runners: list = []
         self._sink_rows: dict = {}  # the sinks' state, kept between calls (state.merge_sinks)
         self._passed: tuple | None = None  # the last run's _run_key, when its arguments passed the checks
+        self._call = None  # run's work for arguments of that key (_bind)
 
     def plan(self, layout: BSRLayout | Cascade, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
              variant: Variant | None = None, q_dtype: DType | None = None, kv_dtype: DType | None = None,
@@ -420,16 +421,33 @@ class BatchAttention:
             for spec in self._checks:
                 spec.check_run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
             self._passed = key
-        if self._slots_of is not None:
-            k, v = _slot_view(k, self._slots_of), _slot_view(v, self._slots_of)
+            self._call = self._bind(q, k, v, out, lse, return_lse, run_kwargs)
+        return self._call(q, k, v, out, lse)
+
+    def _bind(self, q, k, v, out, lse, return_lse, run_kwargs):
+        """``call(q, k, v, out, lse)``: :meth:`run` with these keyword arguments, for arguments of these kinds (what
+        the check key holds). A plain layout's runner that can bind a call (``Runner.bind``: the torch tier) does
+        the work that follows from the kinds once, here; the rest run the whole call each time."""
         variant = self._specs[-1].variant
-        if len(self._runners) == 1 and variant.sinks is None:
-            o, s = self._runners[0].run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
+        runner = self._runners[0]
+        if len(self._runners) == 1 and variant.sinks is None and self._slots_of is None and hasattr(runner, "bind"):
+            call = runner.bind(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
+            if return_lse:
+                return call
+            return lambda q, k, v, out, lse: call(q, k, v, out, lse)[0]
+
+        def general(q, k, v, out, lse):
+            if self._slots_of is not None:
+                k, v = _slot_view(k, self._slots_of), _slot_view(v, self._slots_of)
+            if len(self._runners) == 1 and variant.sinks is None:
+                o, s = runner.run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
+                return (o, s) if return_lse else o
+            states = [r.run(q, k, v, out=None, lse=None, return_lse=not variant.use_sigmoid, **run_kwargs)
+                      for r in self._runners]
+            o, s = _merge_levels(self.backend, states, variant, out, lse, self._sink_rows)
             return (o, s) if return_lse else o
-        states = [r.run(q, k, v, out=None, lse=None, return_lse=not variant.use_sigmoid, **run_kwargs)
-                  for r in self._runners]
-        o, s = _merge_levels(self.backend, states, variant, out, lse, self._sink_rows)
-        return (o, s) if return_lse else o
+
+        return general
 
 
 def _run_key(q, k, v, out, lse, return_lse, k_scale, v_scale) -> tuple | None:

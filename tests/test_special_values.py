@@ -241,33 +241,78 @@ def test_merge_states_fold_skips_empty_states_and_keeps_nan(tier):
 # ---- launches that share buffers ---------------------------------------------------------------------
 
 def _workspaces(attn):
-    """The buffers a tier keeps between launches, poisoned by the test: (tensors to fill with garbage)."""
+    """The partial states a tier keeps between launches, poisoned by the test."""
     runner = attn._runners[0]
-    if hasattr(runner, "buffers"):  # torch: merge counters and flags, partial states
-        b = runner.buffers
-        return [(b.sync, 7), (b.part_o, float("nan")), (b.part_lse, float("nan"))]
-    if hasattr(runner, "_workspace"):  # numba: partial states
-        return [(x, float("nan")) for pair in runner._workspace.values() for x in pair]
+    if hasattr(runner, "buffers"):  # torch
+        return [runner.buffers.part_o, runner.buffers.part_lse]
+    if hasattr(runner, "_workspace"):  # numba
+        return [x for pair in runner._workspace.values() for x in pair]
     return []
 
 
-def test_no_launch_depends_on_what_an_earlier_one_left(tier):
-    """Garbage in the counters and workspace (what an interrupted or overlapping launch leaves) changes nothing."""
-    variant = ba.Variant(causal=True)
-    q, k, v = inputs()
-    want = expected(paged_views(variant), q, k, v)
+def _left_in_sync(attn) -> int:
+    """How many of the torch tier's merge counters and flags are not zero (0 on the other tiers)."""
+    buffers = getattr(attn._runners[0], "buffers", None)
+    return 0 if buffers is None else int(buffers.sync.count_nonzero())
+
+
+def _split_causal_plan(tier):
     attn = ba.BatchAttention(backend=tier.name)
-    attn.plan(paged_layout(), HQ, HKV, D, variant=variant, num_ctas=3, fixed_split_size=3)
+    attn.plan(paged_layout(), HQ, HKV, D, variant=ba.Variant(causal=True), num_ctas=3, fixed_split_size=3)
+    assert attn.work_plans[0].num_merges > 0
+    return attn
+
+
+def _pool_args(tier, q, k, v):
     pool = (NUM_PAGES, PAGE, HKV, D)
-    args = [tier.array(x, "float32") for x in (q, k.reshape(pool), v.reshape(pool))]
-    attn.run(*args)  # allocates the workspace
-    for x, value in _workspaces(attn):
+    return [tier.array(x, "float32") for x in (q, k.reshape(pool), v.reshape(pool))]
+
+
+def test_no_launch_depends_on_what_an_earlier_one_left(tier):
+    """NaN in the partial states, and a launch just before whose NaN flagged items and merges for the second pass,
+    change nothing; every launch leaves the torch tier's merge counters and flags at zero, as it found them."""
+    q, k, v = inputs()
+    want = expected(paged_views(ba.Variant(causal=True)), q, k, v)
+    attn = _split_causal_plan(tier)
+    attn.run(*_pool_args(tier, *poisoned("v", 0, 9, np.nan, q, k, v)))  # a visible NaN: flags, a second pass
+    assert _left_in_sync(attn) == 0
+    for x in _workspaces(attn):
         if hasattr(x, "fill_"):
-            x.fill_(value)
+            x.fill_(float("nan"))
         else:
-            x.copy_to_device(np.full(x.shape, value, dtype=x.dtype))
-    o, s = attn.run(*args, return_lse=True)
-    check(tier, (tier.numpy(o), tier.numpy(s)), want, "after garbage")
+            x.copy_to_device(np.full(x.shape, np.nan, dtype=x.dtype))
+    o, s = attn.run(*_pool_args(tier, q, k, v), return_lse=True)
+    check(tier, (tier.numpy(o), tier.numpy(s)), want, "after NaN")
+    assert _left_in_sync(attn) == 0
+
+
+def test_a_call_stopped_between_its_launches_leaves_nothing_behind(monkeypatch):
+    """A torch call whose second launch raises after its first flagged items leaves the flags at zero, and the
+    next call is right."""
+    from bsrattn.torch_cuda import executor
+
+    tier = load_tier("torch")
+    q, k, v = inputs()
+    attn = _split_causal_plan(tier)
+    flagged = []
+
+    class Stops:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                flagged.append(_left_in_sync(attn))
+                raise RuntimeError("stopped before the second launch")
+            return launch
+
+    passes = executor.passes
+    monkeypatch.setattr(executor, "_COMPILED", {})  # on a GPU too, the call's launches go through Triton
+    monkeypatch.setattr(executor, "passes", lambda *a, **kw: [passes(*a, **kw)[0], (Stops(), None, {})])
+    with pytest.raises(RuntimeError, match="stopped before"):
+        attn.run(*_pool_args(tier, *poisoned("v", 0, 9, np.nan, q, k, v)))
+    assert flagged[0] > 0, "the first launch flagged nothing: the test sets up nothing to leave behind"
+    assert _left_in_sync(attn) == 0
+    monkeypatch.setattr(executor, "passes", passes)
+    o, s = attn.run(*_pool_args(tier, q, k, v), return_lse=True)
+    check(tier, (tier.numpy(o), tier.numpy(s)), expected(paged_views(ba.Variant(causal=True)), q, k, v), "after")
 
 
 def _in_threads(worker, count=4):

@@ -18,8 +18,12 @@ num_kv_heads)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for KV
    bump completes the count is the last to finish, and it folds the tile's partial states **in the plan's
    order** (:func:`~bsrattn.torch_cuda.merge.fold_partials`) into the output. Which program merges depends
    on timing; what it computes does not, so the result is bitwise deterministic, with no floating-point
-   atomics and no second launch for the merge. The counters are cleared before every launch (:func:`launch`,
-   inside a captured graph too), so no launch depends on what an earlier one left in them, finished or not.
+   atomics and no second launch for the merge. The merging program sets the counter back to zero, and the
+   ``REDO`` launch (5.) each flag it reads, so every launch leaves ``sync`` as it found it: zero, as allocated.
+   (Cleared by a kernel of its own before every launch, it cost a small decode 1.3-1.6 us of GPU time in a
+   graph and 12 us of host time eagerly, on the H200.) A launch is never interrupted part-way while the
+   process can still launch: the one way to stop between passes, an exception in Python, clears ``sync`` in
+   stream order (:class:`Launch`).
 5. **Hidden keys' NaNs.** Under masks that hide keys from some queries (causal, window, custom mask), a
    hidden key's NaN or infinity would reach ``p @ v`` as ``0 * NaN``. Dropping such values in every masked
    tile puts ``v`` through registers and cost 44% at prefill (W3 16 x 1024 on the H200, NOTES.md); an
@@ -164,6 +168,8 @@ def persistent_attention(
         joins = merge >= 0
         if REDO:
             compute = tl.load(item_flags + w * num_kv_heads + kv_head) != 0
+            if compute:  # read by this program alone: cleared for the next launch
+                tl.store(item_flags + w * num_kv_heads + kv_head, 0)
             if MERGES:
                 joins = (merge >= 0) & (tl.load(merge_flags + tl.maximum(merge, 0) * num_kv_heads + kv_head) != 0)
             n_rows = tl.where(compute, n_rows, 0)
@@ -248,6 +254,11 @@ def persistent_attention(
             tl.debug_barrier()
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == parts_hi - parts_lo - 1:
+                # Every other item of the merge has arrived, and read the merge's flag: both go back to zero
+                # for the next launch.
+                tl.store(counter, 0)
+                if REDO:
+                    tl.store(merge_flags + merge * num_kv_heads + kv_head, 0)
                 for m0 in range(0, n_rows, BLOCK_M):
                     m = m0 + tl.arange(0, BLOCK_M)
                     valid_m = m < n_rows
@@ -325,8 +336,8 @@ def passes(config, q_dtype, item_capacity: int, tma: bool = False) -> list:
 
 
 def launch(q, k, v, out, lse, buffers, config, scalars):
-    """Clear the merge counters and flags, then launch each of :func:`passes` (arguments as :func:`launch_args`): a
-    :class:`Launch` made for the one call (the custom op's path, which ``torch.compile``'d code takes)."""
+    """Launch each of :func:`passes` (arguments as :func:`launch_args`): a :class:`Launch` made for the one call (the
+    custom op's path, which ``torch.compile``'d code takes)."""
     Launch(buffers, config)(q, k, v, out, lse, scalars)
 
 
@@ -383,7 +394,9 @@ class Launch:
             self._scratch = torch.empty(size, dtype=torch.uint8, device=self.sync.device)
         return self._scratch
 
-    def __call__(self, q, k, v, out, lse, scalars):
+    def __call__(self, q, k, v, out, lse, scalars, stream=None):
+        """Launch each pass on the call's tensors, on ``stream`` (a raw CUDA stream handle; None: the current
+        stream, which Triton then reads itself)."""
         view = self.config.kv_view
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
         ints = (*q.stride(), *kv_strides(k, view), *kv_strides(v, view), *out.stride(), *lse.stride(),
@@ -396,17 +409,22 @@ class Launch:
             tma = prefill.tma_ready(self.config, q, k, v)
             kind = (self._plan_kind, *exact[:5], *(p % 16 == 0 for p in ptrs), *map(_specialised, ints), tma)
             kernels = _COMPILED.get(kind)
-        self.sync.zero_()
-        if kernels is None:
-            kernels = self._through_triton(q, k, v, out, lse, scalars, tma)
-            if not _KEEPS_KERNELS:
-                return
-            _COMPILED[kind] = kernels
-        else:
-            floats = (scalars.qk_scale, scalars.v_scale, scalars.soft_cap, scalars.sigmoid_bias)
-            for run, tail, descriptors in kernels:
-                with self._scratch_turn(descriptors):
-                    run(*ptrs, *ints, *floats, *self._plan_ptrs, *tail)
+        try:
+            if kernels is None:
+                kernels = self._through_triton(q, k, v, out, lse, scalars, tma)
+                if not _KEEPS_KERNELS:
+                    return
+                _COMPILED[kind] = kernels
+            else:
+                floats = (scalars.qk_scale, scalars.v_scale, scalars.soft_cap, scalars.sigmoid_bias)
+                for run, tail, descriptors in kernels:
+                    with self._scratch_turn(descriptors):
+                        run(*ptrs, *ints, *floats, *self._plan_ptrs, *tail, stream=stream)
+        except BaseException:
+            # A first pass launched without its second may leave flags set: cleared in stream order, so that
+            # the next launch, or a captured graph's next replay, starts from zeros.
+            self.sync.zero_()
+            raise
         self._last = (exact, kernels)
 
     def _scratch_turn(self, descriptors: bool):

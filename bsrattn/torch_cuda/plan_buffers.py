@@ -30,7 +30,6 @@ then one asynchronous copy of the bytes the plan uses: the sections up to the en
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import astuple, dataclass, replace
 
@@ -156,19 +155,39 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
 _packer = Compiled(_pack, _put, first_slots, pack_items)
 
 
+class _Ordered:
+    """:meth:`PlanBuffers.ordered`'s context: the buffers' lock held, the stream followed."""
+
+    __slots__ = ("buffers",)
+
+    def __init__(self, buffers):
+        self.buffers = buffers
+
+    def __enter__(self):
+        turn = self.buffers._turn
+        turn.acquire()
+        try:
+            return self.buffers._follow_stream()
+        except BaseException:
+            turn.release()
+            raise
+
+    def __exit__(self, *exc):
+        self.buffers._turn.release()
+
+
 class PlanBuffers:
     """The plan arrays, custom mask, partial-state workspace and merge counters of one runner, on ``device``.
 
     ``part_o [partial_rows, num_qo_heads, head_dim]`` and ``part_lse [partial_rows, num_qo_heads]`` (float32)
-    hold split items' partial states; ``sync [3 * merges + items, num_kv_heads]`` (int32, cleared at the
-    start of every launch) holds the merge counters, which count the partial states of each split tile as
-    they land so that the CTA writing the last one merges, and the flags of the items and merges whose output
-    came out non-finite (``executor.py``).
+    hold split items' partial states; ``sync [3 * merges + items, num_kv_heads]`` (int32) holds the merge
+    counters, which count the partial states of each split tile as they land so that the CTA writing the last
+    one merges, and the flags of the items and merges whose output came out non-finite (``executor.py``).
     ``host_staging`` (default: on a CUDA device) fills a host copy, pinned on CUDA, and copies the bytes a
     plan uses to the device; without it the plan is written in place (the CPU, under the Triton interpreter).
-    Every buffer is allocated uninitialised, with no kernel launched (a one-shot call allocates a set): a
-    launch reads only bytes written before it, the plan's by the refill, ``sync`` by the launch's own clear,
-    a partial state by the item that computes it.
+    Every buffer but ``sync`` is allocated uninitialised (a one-shot call allocates a set): a launch reads only
+    bytes written before it, the plan's by the refill, a partial state by the item that computes it. ``sync``
+    is allocated zero, and each launch sets back to zero what it counts or flags.
     """
 
     def __init__(self, capacity: Capacity, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -206,7 +225,7 @@ class PlanBuffers:
         self.part_lse = torch.empty((rows, num_qo_heads), dtype=torch.float32, device=device)
         # Merge counters for the first and the second launch, merge flags, item flags (executor.py, REDO).
         self.merge_rows = capacity.merges
-        self.sync = torch.empty((3 * capacity.merges + capacity.items, num_kv_heads), dtype=torch.int32,
+        self.sync = torch.zeros((3 * capacity.merges + capacity.items, num_kv_heads), dtype=torch.int32,
                                 device=device)
         # Stands in for lse when the caller wants none: a launch always gets a tensor there.
         self.no_lse = torch.empty((1, 1), dtype=torch.float32, device=device)
@@ -215,24 +234,33 @@ class PlanBuffers:
         self.captured_without_merges = False  # whether such a launch's kernel carried no merges (runner.py)
         self._turn = threading.Lock()
         self._stream = None  # the CUDA stream of the last launch or refill
+        self._stream_handle = None  # its raw handle
+        self._ordered = _Ordered(self)
 
-    @contextlib.contextmanager
     def ordered(self):
-        """A context for one launch or refill over these buffers: one at a time, each after the last.
+        """A context for one launch or refill over these buffers: one at a time, each after the last. It gives the
+        current CUDA stream's handle (None off CUDA), which it has just read.
 
         The workspace and counters serve one launch at a time. Calls from several Python threads take
         turns; a call on another CUDA stream than the last one first waits for that stream, so two streams'
         launches cannot overlap on the same buffers. (Inside a CUDA graph capture the wait is left out: the
-        capture is ordered by its caller, and so are a captured graph's replays.)
+        capture is ordered by its caller, and so are a captured graph's replays.) The context is an object
+        kept with the buffers, and the stream is compared by its raw handle: a ``contextmanager`` generator and
+        ``torch.cuda.current_stream`` cost a small decode's ``run`` several µs.
         """
-        with self._turn:
-            if self.device.type == "cuda":
-                stream = torch.cuda.current_stream(self.device)
-                if (self._stream is not None and self._stream != stream
-                        and not torch.cuda.is_current_stream_capturing()):
-                    stream.wait_stream(self._stream)
-                self._stream = stream
-            yield
+        return self._ordered
+
+    def _follow_stream(self):
+        """The current stream's handle, after making it wait for the last launch's stream if that was another."""
+        if self.device.type != "cuda":
+            return None
+        handle = torch._C._cuda_getCurrentRawStream(self.device.index)
+        if handle != self._stream_handle:
+            stream = torch.cuda.current_stream(self.device)
+            if self._stream is not None and not torch.cuda.is_current_stream_capturing():
+                stream.wait_stream(self._stream)
+            self._stream, self._stream_handle = stream, handle
+        return handle
 
     def idle(self) -> bool:
         """Whether the last refill's copy to the device has finished, so a refill now would not wait for it."""

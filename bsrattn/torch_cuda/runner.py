@@ -13,8 +13,8 @@ runs any plan of its buffers correctly with any. ``run`` allocates nothing but t
 outputs it is not given, and never synchronises with the host. The refill is an asynchronous copy on the
 current stream at ``plan`` time: run on that stream (or order the two), as with any stream-ordered write.
 One runner's workspace serves one launch at a time: calls from several threads or CUDA streams take turns
-(:meth:`~bsrattn.torch_cuda.plan_buffers.PlanBuffers.ordered`), and every launch clears its merge counters
-and flags first, so none depends on what an earlier one left behind.
+(:meth:`~bsrattn.torch_cuda.plan_buffers.PlanBuffers.ordered`), and every launch leaves the merge counters and
+flags at zero as it found them (``executor.py``), so none depends on what an earlier one did.
 """
 
 from __future__ import annotations
@@ -136,40 +136,85 @@ class Runner:
         kernel is launched through the buffers' :class:`~bsrattn.torch_cuda.executor.Launch`; traced by
         ``torch.compile``, through the custom op (:mod:`bsrattn.torch_cuda.ops`).
         """
-        spec = self.spec
         as_numpy = not isinstance(q, torch.Tensor)
         q_t, k_t, v_t = to_torch("q", q, self.device), to_torch("k", k, self.device), to_torch("v", v, self.device)
+        key, scalars, want_lse = self._prepare(q_t, k_t, out, lse, return_lse, k_scale, v_scale)
+        out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
+        lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
+        self._launch_on(key, q_t, k_t, v_t, out_t, lse_t, scalars)
+        if as_numpy:
+            o = write_back(out, out_t) if out is not None else to_numpy(out_t)
+            s = None if lse_t is None else (write_back(lse, lse_t) if lse is not None else to_numpy(lse_t))
+            return o, s
+        return out_t, lse_t
+
+    def bind(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+        """``call(q, k, v, out, lse) -> (out, lse or None)``: :meth:`run` with these keyword arguments, for arguments
+        of the kinds of these (each array's type, shape, dtype and device, ``out`` and ``lse`` given or not).
+
+        What :meth:`run` works out from the arguments' kinds (dtypes supported, the launch configuration, the
+        scales) is worked out here once, so each call does only what its own tensors need: a serving loop's
+        ``BatchAttention.run``, whose check key guarantees the kinds, calls it. NumPy inputs, and calls traced
+        by ``torch.compile``, take :meth:`run`.
+        """
+        def general(q, k, v, out, lse):
+            return self.run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+
+        if not isinstance(q, torch.Tensor) or torch.compiler.is_compiling():
+            return general
+        q_t, k_t = to_torch("q", q, self.device), to_torch("k", k, self.device)
+        to_torch("v", v, self.device)
+        key, scalars, want_lse = self._prepare(q_t, k_t, out, lse, return_lse, k_scale, v_scale)
+        if out is not None:
+            self._output("out", out, False, q_t.shape, q_t.dtype)
+        if want_lse and lse is not None:
+            self._output("lse", lse, False, q_t.shape[:2], torch.float32)
+        out_shape, lse_shape, dtype, device = q_t.shape, q_t.shape[:2], q_t.dtype, self.device
+
+        def call(q, k, v, out, lse):
+            if torch.compiler.is_compiling():
+                return general(q, k, v, out, lse)
+            if out is None:
+                out = torch.empty(out_shape, dtype=dtype, device=device)
+            if want_lse and lse is None:
+                lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+            self._launch_on(key, q, k, v, out, lse if want_lse else None, scalars)
+            return out, lse if want_lse else None
+
+        return call
+
+    def _prepare(self, q_t, k_t, out, lse, return_lse, k_scale, v_scale):
+        """``(key, scalars, want_lse)`` of a call: ``key`` its launch configuration's (as :meth:`launch_config` takes
+        it), ``scalars`` its :class:`~bsrattn.torch_cuda.config.Scalars`, ``want_lse`` whether it writes an LSE."""
+        spec = self.spec
         q_dtype = dtype_name(q_t)
         for name, dtype in (("q", q_dtype), ("k", dtype_name(k_t))):
             if dtype not in SUPPORTED:
                 raise TypeError(f"{name} has dtype {dtype}; the torch tier supports {SUPPORTED} "
                                 f"(use backend='reference' for float64)")
         want_lse = (return_lse or lse is not None) and not spec.variant.use_sigmoid
-        out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
-        lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
-        key = (q_dtype, spec.kv_view_of(k_t), want_lse)
         # fp8 KV is dequantised by folding k_scale into the score scale and v_scale into the output.
         scalars = self._unit_scales
         if k_scale is not None or v_scale is not None:
             scalars = scalars._replace(qk_scale=spec.sm_scale * (1.0 if k_scale is None else float(k_scale)),
                                        v_scale=1.0 if v_scale is None else float(v_scale))
+        return (q_dtype, spec.kv_view_of(k_t), want_lse), scalars, want_lse
+
+    def _launch_on(self, key, q, k, v, out, lse, scalars):
+        """Launch configuration ``key`` (as :meth:`_prepare` gives it) on the call's tensors, or put the custom op
+        in the graph that ``torch.compile`` traces."""
         b = self.buffers
-        lse_arg = b.no_lse if lse_t is None else lse_t
+        lse_arg = b.no_lse if lse is None else lse
         if torch.compiler.is_compiling():  # traced: the compiled graph orders its launches
-            torch.ops.bsrattn.attention_run(q_t, k_t, v_t, out_t, lse_arg, b.plan, b.mask, b.part_o, b.part_lse,
-                                            b.sync, b.sections, self.launch_config(*key).to_list(), list(scalars))
-        else:
-            launch = self._launch(key)
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                b.captured = True  # a later re-plan checks it keeps what the graph recorded
-                b.captured_without_merges |= not launch.config.merges
-            with b.ordered():
-                launch(q_t, k_t, v_t, out_t, lse_arg, scalars)
-        if as_numpy:
-            o = write_back(out, out_t) if out is not None else to_numpy(out_t)
-            s = None if lse_t is None else (write_back(lse, lse_t) if lse is not None else to_numpy(lse_t))
-            return o, s
-        return out_t, lse_t
+            torch.ops.bsrattn.attention_run(q, k, v, out, lse_arg, b.plan, b.mask, b.part_o, b.part_lse, b.sync,
+                                            b.sections, self.launch_config(*key).to_list(), list(scalars))
+            return
+        launch = self._launch(key)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            b.captured = True  # a later re-plan checks it keeps what the graph recorded
+            b.captured_without_merges |= not launch.config.merges
+        with b.ordered() as stream:
+            launch(q, k, v, out, lse_arg, scalars, stream)
 
     def _output(self, name, given, as_numpy, shape, dtype):
         """The tensor the kernel writes ``name`` into: the caller's tensor, or a new one."""
