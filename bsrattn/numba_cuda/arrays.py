@@ -6,9 +6,14 @@ a CuPy array). Results come back in the kind of the array they follow (``q`` for
 merge): NumPy, a Numba device array, or a torch tensor when a torch tensor came in. bfloat16 and fp8 travel
 as their raw bits (:mod:`.formats`); only NumPy (ml_dtypes) arrays can carry them here. A torch tensor on the
 CPU is neither kind, and is refused (it would come back as NumPy).
+
+A runner keeps the device views of a call's torch tensors for the calls after it with the same tensors
+(:func:`tensor_key`); views it keeps do not hold their tensors (``device_array(..., hold=False)``).
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 from numba import cuda
@@ -28,8 +33,12 @@ def _check_host(x, name: str) -> None:
                         f"the GPU (a CUDA tensor, a Numba device array): pass {name}.numpy() or a CUDA tensor")
 
 
-def device_array(x, name: str):
-    """``x`` as a C-contiguous Numba device array of its storage dtype: copied if on the host, else a view."""
+def device_array(x, name: str, hold: bool = True):
+    """``x`` as a C-contiguous Numba device array of its storage dtype: copied if on the host, else a view.
+
+    ``hold=False``: a view of a ``__cuda_array_interface__`` object that does not keep the object alive (a view
+    kept for later calls on the same memory, which each caller's own array keeps alive through its call).
+    """
     fmt = format_of(x)
     if not is_device(x):
         _check_host(x, name)
@@ -37,11 +46,35 @@ def device_array(x, name: str):
     if fmt in BITS:
         raise TypeError(f"the numba tier does not support {fmt} device arrays ({name}): Numba has no {fmt} type; "
                         f"pass {name} as a NumPy (ml_dtypes) array, or use the torch tier")
-    dev = x if getattr(x, "__cuda_ndarray__", False) else cuda.as_cuda_array(x)
+    if getattr(x, "__cuda_ndarray__", False):
+        dev = x
+    else:
+        dev = cuda.as_cuda_array(x) if hold else cuda.from_cuda_array_interface(x.__cuda_array_interface__)
     if not dev.is_c_contiguous():
         raise ValueError(f"{name} must be C-contiguous on the device; got shape {tuple(dev.shape)}, "
                          f"strides {tuple(dev.strides)}")
     return dev
+
+
+def tensor_key(x) -> tuple | None:
+    """What a device view of the torch tensor ``x`` is made of, and what decides whether it may be viewed: its
+    device, dtype, ``requires_grad`` (refused), address, shape and strides. None for anything but a plain strided
+    ``torch.Tensor`` (a subclass may define its own ``__cuda_array_interface__``).
+
+    Equal keys give equal views, whichever tensor object they come from; ``set_``, ``resize_`` or
+    ``as_strided_`` on a tensor changes its key.
+
+    Examples
+    --------
+    >>> import torch
+    >>> x = torch.zeros(4, 3)
+    >>> tensor_key(x) == tensor_key(x[:]), tensor_key(x) == tensor_key(x[1:]), tensor_key(x.T) == tensor_key(x)
+    (True, False, False)
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or x.layout is not torch.strided:
+        return None
+    return x.device, x.dtype, x.requires_grad, x.data_ptr(), x.shape, x.stride()
 
 
 def resident(a, dtype):
