@@ -241,12 +241,12 @@ def test_merge_states_fold_skips_empty_states_and_keeps_nan(tier):
 # ---- launches that share buffers ---------------------------------------------------------------------
 
 def _workspaces(attn):
-    """The partial states a tier keeps between launches, poisoned by the test."""
+    """The partial states (and the numba tier's scratch lse) a tier keeps between launches, poisoned by the test."""
     runner = attn._runners[0]
     if hasattr(runner, "buffers"):  # torch
         return [runner.buffers.part_o, runner.buffers.part_lse]
-    if hasattr(runner, "_workspace"):  # numba
-        return [x for pair in runner._workspace.values() for x in pair]
+    if hasattr(runner, "_workspace"):  # numba: (part_o, part_lse) pairs, and the scratch lse
+        return [x for held in runner._workspace.values() for x in (held if isinstance(held, tuple) else (held,))]
     return []
 
 
