@@ -430,7 +430,8 @@ class BatchAttention:
         the work that follows from the kinds once, here; the rest run the whole call each time."""
         variant = self._specs[-1].variant
         runner = self._runners[0]
-        if len(self._runners) == 1 and variant.sinks is None and self._slots_of is None and hasattr(runner, "bind"):
+        single = len(self._runners) == 1 and variant.sinks is None
+        if single and self._slots_of is None and hasattr(runner, "bind"):
             call = runner.bind(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
             if return_lse:
                 return call
@@ -439,7 +440,7 @@ class BatchAttention:
         def general(q, k, v, out, lse):
             if self._slots_of is not None:
                 k, v = _slot_view(k, self._slots_of), _slot_view(v, self._slots_of)
-            if len(self._runners) == 1 and variant.sinks is None:
+            if single:
                 o, s = runner.run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
                 return (o, s) if return_lse else o
             states = [r.run(q, k, v, out=None, lse=None, return_lse=not variant.use_sigmoid, **run_kwargs)

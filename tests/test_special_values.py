@@ -246,7 +246,7 @@ def _workspaces(attn):
     if hasattr(runner, "buffers"):  # torch
         return [runner.buffers.part_o, runner.buffers.part_lse]
     if hasattr(runner, "_workspace"):  # numba: (part_o, part_lse) pairs, and the scratch lse
-        return [x for held in runner._workspace.values() for x in (held if isinstance(held, tuple) else (held,))]
+        return [x for pair in runner._workspace.values() for x in pair] + list(runner._scratch_lse.values())
     return []
 
 

@@ -93,6 +93,7 @@ class Runner:
         # The workspace serves one call at a time: a second thread's launches would overwrite partial states
         # the first call's merge has not read yet (every launch goes to the default stream, in call order).
         self._workspace = previous._workspace if previous is not None else {}
+        self._scratch_lse = previous._scratch_lse if previous is not None else {}  # compute name -> lse
         self._lock = previous._lock if previous is not None else threading.Lock()
         self._launches = (previous._launches if previous is not None else (launch.run, launch.run) if once
                           else (launch.Launch(), launch.Launch()))
@@ -112,9 +113,9 @@ class Runner:
         """The ``lse [nnz_qo, Hq]`` the kernels write when the caller takes none, allocated once per shape: no
         one reads it, so calls share it as they share the workspace."""
         shape = (self.spec.layout.nnz_qo, self.spec.num_qo_heads)
-        held = self._workspace.get(("lse", compute_name))
+        held = self._scratch_lse.get(compute_name)
         if held is None or tuple(held.shape) != shape:
-            held = self._workspace[("lse", compute_name)] = arrays.empty(shape, compute_name)
+            held = self._scratch_lse[compute_name] = arrays.empty(shape, compute_name)
         return held
 
     def config(self, q_format, kv_format, kv_view, word_size) -> Config:

@@ -154,8 +154,9 @@ class Runner:
 
         What :meth:`run` works out from the arguments' kinds (dtypes supported, the launch configuration, the
         scales) is worked out here once, so each call does only what its own tensors need: a serving loop's
-        ``BatchAttention.run``, whose check key guarantees the kinds, calls it. NumPy inputs, and calls traced
-        by ``torch.compile``, take :meth:`run`.
+        ``BatchAttention.run``, whose check key guarantees the kinds, calls it. NumPy inputs, and a bind traced
+        by ``torch.compile``, take :meth:`run`; a bound call traced by it puts the custom op in the graph
+        (:meth:`_launch_on`).
         """
         def general(q, k, v, out, lse):
             return self.run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
@@ -172,8 +173,6 @@ class Runner:
         out_shape, lse_shape, dtype, device = q_t.shape, q_t.shape[:2], q_t.dtype, self.device
 
         def call(q, k, v, out, lse):
-            if torch.compiler.is_compiling():
-                return general(q, k, v, out, lse)
             if out is None:
                 out = torch.empty(out_shape, dtype=dtype, device=device)
             if want_lse and lse is None:
