@@ -309,6 +309,8 @@ def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
     inputs of a new kind (a q view that is not 16-byte aligned, a KV pool whose strides 16 does not divide)
     must go through Triton once, as their own kind, never through a kernel specialised for another. One-shot calls, which
     reuse idle buffers, find the kept kernels too."""
+    import triton
+
     from bsrattn.torch_cuda import executor
 
     through_triton = []
@@ -335,6 +337,15 @@ def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
         assert len(through_triton) - before == triton_calls
 
     same_bits_without_triton(q, k, v)
+    # Kept kernels are launched directly, bypassing Triton's runner, only while no launch hook is set; a
+    # profiler's hook must see every launch, so with one set they go through the runner, which calls it.
+    assert executor._no_launch_hooks()
+    passes = len(next(iter(attn._runners[0]._launches.values()))._last[1])  # the kept kernels of the call
+    seen = []
+    with monkeypatch.context() as hooked:
+        hooked.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: seen.append(metadata))
+        same_bits_without_triton(q, k, v)
+    assert len(seen) == 3 * passes
     # q one element past an aligned address: a kind of its own, through Triton once.
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
     shifted.copy_(q)

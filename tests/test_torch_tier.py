@@ -226,14 +226,15 @@ def test_plan_options_pick_decode_and_prefill_tiles():
 
 def test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm(monkeypatch):
     """A decode batch of few (row, KV head) pairs is balanced over one CTA per SM (``busy_ctas``) inside the
-    usual grid of two per SM, the rest left empty, and runs 8 warps; a larger batch uses every CTA. Both answer
-    as the reference does. (16 pretend SMs: the interpreter's 4 leave no batch few enough.)"""
+    usual grid of two per SM, the rest left empty, and runs 8 warps; a larger batch uses every CTA, and so does
+    a row whose tile is taller than ``DECODE_FEW_ROWS`` (a cascade's prefix level). All answer as the reference
+    does. (16 pretend SMs: the interpreter's 4 leave no batch few enough.)"""
     monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 16)
     rng = np.random.default_rng(16)
-    for batch, few in ((1, True), (3, False)):
-        problem = paged_problem(rng, qo_lens=(1,) * batch, kv_lens=(300, 12, 70)[:batch])
+    for qo_lens, kv_lens, few in (((1,), (300,), True), ((1, 1, 1), (300, 12, 70), False), ((12,), (300,), False)):
+        problem = paged_problem(rng, qo_lens=qo_lens, kv_lens=kv_lens)
         run, attn = _batch(problem, torch.float16)
-        check_attention(run, problem, "float16", name=f"decode batch {batch}")
+        check_attention(run, problem, "float16", name=f"decode rows {qo_lens}")
         plan, config = attn.work_plans[0], attn._runners[0].launch_config("float16", "NHD", True)
         assert plan.num_ctas == 16 * tcfg.CTAS_PER_SM["decode"] // 2, "the grid stays at two CTAs per SM"
         busy = tcfg.plan_options(attn._specs[0])["busy_ctas"]
@@ -578,3 +579,24 @@ def test_device_must_suit_the_kernels():
     with pytest.raises(ValueError, match="cannot run on"):
         check_device(torch.device(other))
     check_device(torch.device(DEVICE))
+
+
+def test_kept_kernels_go_through_triton_while_a_launch_hook_is_set(monkeypatch):
+    """A kept kernel's launcher is called directly only while no launch hook would be called: not while a profiler
+    has set one, as a function or in Triton's chain of hooks (an empty chain calls nothing)."""
+    import triton
+
+    from bsrattn.torch_cuda import executor
+
+    runtime = triton.knobs.runtime
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        with monkeypatch.context() as m:
+            m.setattr(runtime, name, None)
+            assert executor._no_launch_hooks()
+            m.setattr(runtime, name, print)
+            assert not executor._no_launch_hooks(), name
+            chain = triton.knobs.HookChain()
+            m.setattr(runtime, name, chain)
+            assert executor._no_launch_hooks()
+            chain.add(print)
+            assert not executor._no_launch_hooks(), name
