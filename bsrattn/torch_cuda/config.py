@@ -13,11 +13,14 @@ Two shapes of work, one kernel:
 programs, a fixed number of waves of the GPU, read from the device's SM count: two CTAs per SM at decode
 (both resident), four at prefill (one resident: the others queue, so the hardware evens out what the static
 plan cannot see, the causal triangle's unequal tiles; W3 16 x 1024: 645 -> 579 us). A decode batch of few
-(row, KV head) pairs, at most one per ``DECODE_FEW_PAIRS_PER`` SMs, is balanced over one CTA per SM
-(``busy_ctas``), the grid's other CTAs left empty, and runs 8 warps: each pair's KV is split over many CTAs
-anyway, and longer items with more loads in flight each beat twice the items merged through memory. (Measured
-with a grid of one CTA per SM: W2 1 x 16384 55 -> 42 us on the H200. The grid stays at two CTAs per SM so that
-a captured CUDA graph, which records it, replays any batch's plan.)
+(row, KV head) pairs, at most one per ``DECODE_FEW_PAIRS_PER`` SMs, whose tiles hold at most ``DECODE_FEW_ROWS``
+rows, is balanced over one CTA per SM (``busy_ctas``), the grid's other CTAs left empty, and runs 8 warps: each
+pair's KV is split over many CTAs anyway, and longer items with more loads in flight each beat twice the items
+merged through memory. (Measured with a grid of one CTA per SM: W2 1 x 16384 55 -> 42 us on the H200. The grid
+stays at two CTAs per SM so that a captured CUDA graph, which records it, replays any batch's plan.) Taller
+tiles, such as a cascade's shared-prefix level, which puts a whole batch's queries in one block row, compute
+more per KV tile, and two CTAs per SM overlap one's loads with the other's math: W5's prefix level over 32k keys
+for 64 queries 236 -> 182 us (over 8k, 74 -> 76 us).
 
 Decode chunks are whole KV tiles (``kv_align = BLOCK_N``) of at least ``DECODE_MIN_SPLIT`` slots. Measured
 on the H200 (``benchmarks/tune.py``, NOTES.md): with chunks of exactly ``L_kv`` the per-row ceilings
@@ -44,8 +47,9 @@ DECODE_ROWS = 64
 
 CTAS_PER_SM = {"decode": 2, "prefill": 4}
 DECODE_FEW_PAIRS_PER = 4
-"""A decode batch of at most ``num_sms // DECODE_FEW_PAIRS_PER`` (row, KV head) pairs is balanced over one CTA
-per SM."""
+DECODE_FEW_ROWS = 16
+"""A decode batch of at most ``num_sms // DECODE_FEW_PAIRS_PER`` (row, KV head) pairs, whose tiles hold at most
+``DECODE_FEW_ROWS`` rows (query rows x group heads), is balanced over one CTA per SM."""
 DECODE_MIN_SPLIT = 256
 PREFILL_BLOCK_M = 128
 INTERPRETER_SMS = 4
@@ -153,7 +157,7 @@ def plan_options(spec, device=None) -> dict:
     if kind == "decode":
         block_n = tiles(m, spec.head_dim, spec.q_dtype).block_n
         sms = num_sms(device)
-        few_pairs = spec.layout.num_rows * spec.num_kv_heads * DECODE_FEW_PAIRS_PER <= sms
+        few_pairs = m <= DECODE_FEW_ROWS and spec.layout.num_rows * spec.num_kv_heads * DECODE_FEW_PAIRS_PER <= sms
         return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=DECODE_MIN_SPLIT,
                     kv_align=block_n, busy_ctas=max(1, min(ctas, sms // spec.num_kv_heads)) if few_pairs else ctas,
                     lead_items=spec.split_size is not None)
