@@ -83,6 +83,10 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
     kernel before every launch (one graph node fewer): decode W1 budget 64 / 512 19.8 -> 18.4 / 57.1 -> 55.5 us,
     W2 1 x 1024 17.4 -> 16.1 us (one lease).
 
+14. ``2624976`` decode tiles of more than 16 rows (a cascade's shared-prefix level: a batch's queries in one
+    block row) planned on two CTAs per SM, not balanced over one as a few 16-row decodes are (8.): W5's prefix
+    level over 32k keys for 64 queries 236 -> 182 us, over 8k 74 -> 76 us.
+
 Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
 per query tile).
 """
@@ -405,7 +409,8 @@ class Launch:
     decode's GPU time. A ``Launch`` reads the arguments its buffers fix (:func:`plan_args`) once. The first
     launch of a new kind goes through Triton, and the compiled kernels it returns are kept for the process
     (:data:`_COMPILED`: a later plan's buffers find them too); a launch of a kind seen before hands their
-    launchers its arguments directly, pointers as addresses. The call's own arguments (pointers, strides) are
+    launchers its arguments directly, pointers as addresses (through Triton's runner only while a launch hook is
+    set, :func:`_no_launch_hooks`). The call's own arguments (pointers, strides) are
     classified only when they differ from the last call's: a model's layers share them.
     """
 
