@@ -309,8 +309,6 @@ def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
     inputs of a new kind (a q view that is not 16-byte aligned, a KV pool whose strides 16 does not divide)
     must go through Triton once, as their own kind, never through a kernel specialised for another. One-shot calls, which
     reuse idle buffers, find the kept kernels too."""
-    import triton
-
     from bsrattn.torch_cuda import executor
 
     through_triton = []
@@ -343,7 +341,7 @@ def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
     passes = len(next(iter(attn._runners[0]._launches.values()))._last[1])  # the kept kernels of the call
     seen = []
     with monkeypatch.context() as hooked:
-        hooked.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: seen.append(metadata))
+        hooked.setattr(executor._HOOKS, "launch_enter_hook", lambda metadata: seen.append(metadata))
         same_bits_without_triton(q, k, v)
     assert len(seen) == 3 * passes
     # q one element past an aligned address: a kind of its own, through Triton once.
