@@ -171,6 +171,9 @@ MUTANTS = (
     Mutant("a decode batch of tall tiles balanced over one CTA per SM", "bsrattn/torch_cuda/config.py",
            "few_pairs = m <= DECODE_FEW_ROWS and ", "few_pairs = ",
            ("tests/test_torch_tier.py::test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm",)),
+    Mutant("a decode's chains of short items left on the persistent kernel", "bsrattn/torch_cuda/config.py",
+           "return items >= DECODE_CHAIN_ITEMS * work_plan.num_ctas and", "return False and",
+           ("tests/test_torch_tier.py::test_a_split_decode_runs_the_item_kernel_with_its_merges",)),
     Mutant("kept kernels launched past a launch hook chain that calls something", "bsrattn/torch_cuda/executor.py",
            'return hook is not None and bool(getattr(hook, "calls", True))', "return hook is not None",
            ("tests/test_torch_tier.py::test_kept_kernels_go_through_triton_while_a_launch_hook_is_set",)),
@@ -278,7 +281,7 @@ MUTANTS = (
            "return variant if level == len(self.levels) - 1 else replace(variant, causal=False)", "return variant",
            REFERENCE),
     # numbers that are not numbers, and launches that share buffers
-    Mutant("a merge's counter not set back to zero by the program that merges", "bsrattn/torch_cuda/executor.py",
+    Mutant("a merge's counter not set back to zero by the program that merges", "bsrattn/torch_cuda/merge.py",
            "tl.store(counter, 0)", "pass", special("test_no_launch_depends_on_what_an_earlier_one_left[torch]")),
     Mutant("item flags not cleared by the second launch", "bsrattn/torch_cuda/executor.py",
            "tl.store(item_flags + w * num_kv_heads + kv_head, 0)", "pass",

@@ -420,8 +420,9 @@ ITEM_KERNEL_CASES = {  # kind: whether the call reads its dense rows through ten
 @pytest.mark.parametrize("kind", sorted(ITEM_KERNEL_CASES))
 def test_prefill_plans_that_split_no_row_run_the_item_kernel(kind, variant, monkeypatch):
     """One program per item, reading dense rows through tensor descriptors where the plan asks (here for short
-    rows too) and the call allows (``tma_ready``), gathered loads elsewhere; a plan that splits, a window or
-    deterministic mode keep the persistent kernel."""
+    rows too) and the call allows (``tma_ready``), gathered loads elsewhere; a window, deterministic mode, or a
+    plan that splits rows under a causal mask that hides keys keep the persistent kernel (a split plan without
+    hidden keys runs the item kernel with its merges)."""
     from bsrattn.torch_cuda import executor, prefill
 
     monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 1)  # 2 CTAs a KV head
@@ -450,7 +451,9 @@ def test_prefill_plans_that_split_no_row_run_the_item_kernel(kind, variant, monk
                             (windowed, {})):
         other = ba.BatchAttention(backend="torch")
         other.plan(problem.case.layout, 4, 2, 16, variant=changed, kv_layout=view, **kwargs)
-        assert not other._runners[0].launch_config("float16", config.kv_view, True).prefill, (changed, kwargs)
+        item_kernel = bool(other._runners[0].launch_config("float16", config.kv_view, True).prefill)
+        assert item_kernel == (changed is variant and "fixed_split_size" in kwargs and not variant.causal), \
+            (changed, kwargs)
 
 
 @pytest.mark.parametrize("descriptors", [False, True], ids=["gathered", "tensor descriptors"])
@@ -606,3 +609,44 @@ def test_kept_kernels_go_through_triton_while_a_launch_hook_is_set(monkeypatch):
 
     monkeypatch.delattr(triton, "knobs", raising=False)  # before Triton 3.4: CompiledKernel's class attributes
     assert executor._hook_holder() is CompiledKernel
+
+
+SPLIT_DECODES = {  # (qo_lens, kv_lens): the item kernel's two kinds of decode plan (config.decode_on_items)
+    "chains of short items": ((1,) * 8, (300, 12, 170, 40, 90, 200, 33, 100)),
+    "tiles of 32 rows": ((16,), (300,)),
+}
+
+
+@pytest.mark.parametrize("storage", ["paged", "ragged, tensor descriptors"])
+@pytest.mark.parametrize("variant", [ba.Variant(), ba.Variant(logits_soft_cap=2.0)], ids=["plain", "soft cap"])
+@pytest.mark.parametrize("shape", sorted(SPLIT_DECODES))
+def test_a_split_decode_runs_the_item_kernel_with_its_merges(shape, variant, storage, monkeypatch):
+    """A decode plan that splits rows into chains of short items, or whose tiles are taller than
+    ``DECODE_FEW_ROWS``, runs the item kernel, one program per item: a split item writes its partial state and the
+    last of a merge's items to land folds them in the plan's order, as the persistent kernel's do; dense rows
+    through tensor descriptors where the plan asks (here for short rows too). The rows answer as the reference
+    does, and the merge counters are back at zero after every call. A decode of a few items keeps the persistent
+    kernel."""
+    rng = np.random.default_rng(21)
+    qo_lens, kv_lens = SPLIT_DECODES[shape]
+    if storage == "paged":
+        problem, kernel = paged_problem(rng, variant, qo_lens=qo_lens, kv_lens=kv_lens), tcfg.PREFILL_ITEMS
+    else:
+        monkeypatch.setattr(tcfg, "PREFILL_TMA_MIN_KV", 0)
+        case = named_case("ragged", dict(qo_lens=list(qo_lens), kv_lens=list(kv_lens)), "flat")
+        problem, kernel = Problem(case, 4, 2, 16, variant, seed=21), tcfg.PREFILL_TMA
+    from bsrattn.torch_cuda import prefill
+
+    q, k, v = (tensor(x, torch.float16) for x in call_inputs(problem.case, *raw_tensors(problem, "float16"))[:3])
+    run, attn = _batch(problem, torch.float16)
+    for _ in range(2):
+        check_attention(run, problem, "float16", name=f"split decode, {shape}, {storage}")
+        runner = attn._runners[0]
+        plan, config = runner.work_plan, runner.launch_config("float16", runner.spec.kv_view_of(k), True)
+        assert plan.num_merges > 0 and config.merges and config.prefill == kernel, config
+        assert not runner.buffers.sync.any(), "a merge counter left behind"
+        assert prefill.tma_ready(config, q, k, v) == (kernel == tcfg.PREFILL_TMA)
+    few = ba.BatchAttention(backend="torch")
+    few.plan(paged_problem(rng, variant, qo_lens=(1, 1, 1), kv_lens=(300, 12, 170)).case.layout, 4, 2, 16,
+             variant=variant)
+    assert not few._runners[0].launch_config("float16", "NHD", True).prefill

@@ -180,14 +180,47 @@ more. Measured on the H200 (W3, bf16 causal; NOTES.md): 1 x 8192 1443 -> 1288 us
 16 x U(256,1792) 640 -> 650 us: a short row's few tiles do not repay making its descriptors."""
 
 
+def causal_hides_keys(spec) -> bool:
+    """Whether the variant's causal mask hides any key of the spec's layout: not when every row has at most one
+    query (a decode step's query sits at its row's last position and sees every key). Where it hides none the
+    kernel runs without it, and so without the second pass that only a hidden key's non-finite value needs."""
+    qo = spec.layout.qo_lens
+    return spec.variant.causal and qo.size > 0 and int(qo.max()) > 1
+
+
+DECODE_CHAIN_ITEMS = 2
+DECODE_SHORT_ITEM = 256
+"""A decode plan runs the item kernel where its tiles hold more than :data:`DECODE_FEW_ROWS` rows, or where the
+persistent kernel's CTAs would each run a chain of short items: :data:`DECODE_CHAIN_ITEMS` items a CTA or more,
+of :data:`DECODE_SHORT_ITEM` KV slots or fewer on average. Such a chain restarts the KV pipeline at every item,
+one after another, where one program per item lets an SM overlap one item's start with another's loads.
+Measured on the H200 (graph mode, one level alone, 32 heads, d128), persistent -> item kernel: W5's suffix level
+(64 items of 256 slots on 8 CTAs a KV head) 111.2 -> 50.7 us, its 1k x 16 suffix level (2 a CTA) 39.4 -> 33.8,
+its prefix level (64-row tiles) over 8k and 32k keys 76.2 -> 67.8 and 181.1 -> 163.3. Elsewhere the persistent
+kernel is faster: W2 1 x 16384 (16 items of 1024 slots, 33 CTAs) 42.4 against 52.5, 64 x 4096 273.9 against
+330.0, 64 x 1024 (2 items a CTA of 1024 slots) 90.1 against 96.5, W1 at 512 pages 56.4 against 73.9, the 16-row
+prefix level of 1k x 16 19.3 against 20.6."""
+
+
+def decode_on_items(work_plan, rows: int) -> bool:
+    """Whether a decode plan whose tiles hold ``rows`` rows runs the item kernel (:data:`DECODE_CHAIN_ITEMS`)."""
+    if rows > DECODE_FEW_ROWS:
+        return True
+    items = int(work_plan.cta_indptr[-1])
+    kv = work_plan.item_kv_end[:items] - work_plan.item_kv_start[:items]
+    return items >= DECODE_CHAIN_ITEMS * work_plan.num_ctas and kv.mean(dtype=np.float64) <= DECODE_SHORT_ITEM
+
+
 def prefill_kernel(spec, work_plan, q_dtype: str, dense_rows: bool) -> int:
     """``LaunchConfig.prefill`` for ``work_plan``: 0 (the persistent kernel) unless the item kernel (``prefill.py``)
-    runs it, a prefill plan that splits no row, whose tiles fit one M tile, and whose variant the item kernel has
-    (at most a causal mask and a soft cap; not deterministic); then :data:`PREFILL_TMA` for a plan with
-    ``dense_rows`` whose items average :data:`PREFILL_TMA_MIN_KV` slots or more, else :data:`PREFILL_ITEMS`."""
+    runs it: a plan whose tiles fit one M tile, whose variant the item kernel has (at most a causal mask and a soft
+    cap; not deterministic), that splits no row where the causal mask hides keys, and, for decode tiles, that
+    :func:`decode_on_items` picks; then :data:`PREFILL_TMA` for a plan with ``dense_rows`` whose items average
+    :data:`PREFILL_TMA_MIN_KV` slots or more, else :data:`PREFILL_ITEMS`."""
     variant = spec.variant
     rows = work_plan.tile_q * spec.group_size
-    if (work_plan.num_merges or spec.split_size is not None or rows <= DECODE_ROWS or rows > PREFILL_BLOCK_M
+    if ((work_plan.num_merges and causal_hides_keys(spec)) or spec.split_size is not None or rows > PREFILL_BLOCK_M
+            or (rows <= DECODE_ROWS and not decode_on_items(work_plan, rows))
             or q_dtype == "float32" or block_d(spec.head_dim) > 128 or variant.window_left >= 0
             or variant.alibi_slopes is not None or variant.use_rope or variant.use_sigmoid
             or spec.layout.custom_mask is not None):

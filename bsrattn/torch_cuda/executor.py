@@ -87,6 +87,13 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
     block row) planned on two CTAs per SM, not balanced over one as a few 16-row decodes are (8.): W5's prefix
     level over 32k keys for 64 queries 236 -> 182 us, over 8k 74 -> 76 us.
 
+15. Decode plans of tiles taller than 16 rows, or whose CTAs would each run two or more items of at most 256
+    KV slots on average, run the item kernel with this kernel's merges (``config.decode_on_items``): one
+    program per item, the last of a merge's items to land folds its partial states. One level alone, persistent
+    -> item kernel: W5's suffix level (8 items of 256 slots a CTA) 111.2 -> 50.7 us, its prefix level over 8k /
+    32k keys 76.2 -> 67.8 / 181.1 -> 163.3 us. The item kernel loses on long items (W2 1 x 16384 42.4 against
+    52.5 us, 64 x 4096 273.9 against 330.0), which stay here.
+
 Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
 per query tile).
 """
@@ -108,7 +115,7 @@ from bsrattn.torch_cuda.gather import block_size_constexpr, kv_strides
 from bsrattn.torch_cuda.indexing import _BLOCK_START, _FIRST_SLOT, _KV_END, _KV_LEN, _KV_START, _MASK_START, _MERGE, \
     _PARTIAL, _PARTS_HI, _PARTS_LO, _QO_END, _QO_FIRST, _QO_LEN, _QO_START, _ROPE_OFFSET, _STRIDE, query_position, \
     tile_head, tile_query
-from bsrattn.torch_cuda.merge import fold_partials, merge_pair
+from bsrattn.torch_cuda.merge import fold_partials, last_to_arrive, merge_pair
 from bsrattn.torch_cuda.microkernel import store_state
 
 
@@ -259,13 +266,9 @@ def persistent_attention(
             parts_lo = tl.load(item + _PARTS_LO)
             parts_hi = tl.load(item + _PARTS_HI)
             counter = sync + ((merge_rows if REDO else 0) + merge) * num_kv_heads + kv_head
-            # Every thread's partial-state stores precede the one release that publishes them.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == parts_hi - parts_lo - 1:
-                # Every other item of the merge has arrived, and read the merge's flag: both go back to zero
-                # for the next launch.
-                tl.store(counter, 0)
+            if last_to_arrive(counter, parts_hi - parts_lo):
+                # Every other item of the merge has arrived, and read the merge's flag, which goes back to zero
+                # for the next launch as the counter did.
                 if REDO:
                     tl.store(merge_flags + merge * num_kv_heads + kv_head, 0)
                 for m0 in range(0, n_rows, BLOCK_M):

@@ -70,6 +70,20 @@ def fold_partials(part_o, part_lse, merge_partials, lo, hi, row, head, valid, d,
 
 
 @triton.jit
+def last_to_arrive(counter, parts):
+    """Whether this program's partial state is the last of its merge's ``parts`` to land: it bumps the merge's
+    integer ``counter`` (acquire-release, GPU scope) after every thread's partial-state stores, and the program
+    whose bump completes the count, which then folds the merge, sets the counter back to zero for the next
+    launch."""
+    # Every thread's partial-state stores precede the one release that publishes them.
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == parts - 1
+    if last:
+        tl.store(counter, 0)
+    return last
+
+
+@triton.jit
 def _merge_states_kernel(o_ptr, lse_ptr, o_out, lse_out,  # o [n, S, H, D]; lse [n, S, H]; outputs [n*H, D], [n*H]
                          num_states, num_heads, num_rows,
                          HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):

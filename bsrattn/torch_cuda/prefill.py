@@ -1,11 +1,17 @@
-"""Prefill plans that split no row, run by a kernel with one program per work item.
+"""Plans of one-tile items run by a kernel with one program per work item: prefills that split no row, and
+decodes of tall tiles or of chains of short items, whose split items merge as the persistent kernel's do.
 
 Must match :func:`bsrattn.reference.executor.execute` for the plans :func:`~bsrattn.torch_cuda.config.prefill_kernel`
-gives it: every item a whole query tile over its row's KV (no partial states, no merges), at most a causal mask
-and a soft cap (no fused RoPE, ALiBi, custom mask, sliding window or FlashSigmoid), not deterministic. Such plans
-are what a prefill of at least as many query tiles as CTAs gets (``config.plan_options``), and for them the
-persistent kernel (:mod:`~bsrattn.torch_cuda.executor`) carries what they never use: its loop over a CTA's
-items keeps an item's fields live through both KV loops (252 registers a thread on sm_90 at 8 warps; 218 here).
+gives it: every item one query tile, at most a causal mask and a soft cap (no fused RoPE, ALiBi, custom mask,
+sliding window or FlashSigmoid), not deterministic, and no split row where the causal mask hides keys. Such are
+what a prefill of at least as many query tiles as CTAs gets (``config.plan_options``: no row split), and the
+decodes :func:`~bsrattn.torch_cuda.config.decode_on_items` picks; for them the persistent kernel
+(:mod:`~bsrattn.torch_cuda.executor`) carries what they never use: its loop over a CTA's items keeps an item's
+fields live through both KV loops (252 registers a thread on sm_90 at 8 warps; 218 here; at the decode tile, 16
+rows on 4 warps, 255 and 160 bytes of stack against 162 and none, Triton 3.9), and it runs a CTA's items one
+after another, each restarting the KV pipeline, where the hardware overlaps one program's start with another's
+loads. A split item writes its partial state; the last of a merge's items to land folds them in the plan's order
+(:func:`~bsrattn.torch_cuda.merge.last_to_arrive`, :func:`~bsrattn.torch_cuda.merge.fold_partials`).
 
 Program ``(w, h)`` runs item ``w`` for KV head ``h`` and stops. The launch is ``capacity x num_kv_heads``
 programs, the buffers' item capacity (fixed while re-plans fit the buffers, so a captured CUDA graph replays
@@ -47,8 +53,9 @@ from triton.runtime import _allocation
 from bsrattn.torch_cuda import microkernel
 from bsrattn.torch_cuda.config import PREFILL_TMA
 from bsrattn.torch_cuda.gather import block_size_constexpr, kv_strides
-from bsrattn.torch_cuda.indexing import _BLOCK_START, _FIRST_SLOT, _KV_END, _KV_LEN, _KV_START, _QO_END, _QO_FIRST, \
-    _QO_LEN, _QO_START, _STRIDE, query_position, tile_head, tile_query
+from bsrattn.torch_cuda.indexing import _BLOCK_START, _FIRST_SLOT, _KV_END, _KV_LEN, _KV_START, _MERGE, _PARTIAL, \
+    _PARTS_HI, _PARTS_LO, _QO_END, _QO_FIRST, _QO_LEN, _QO_START, _STRIDE, query_position, tile_head, tile_query
+from bsrattn.torch_cuda.merge import fold_partials, last_to_arrive
 from bsrattn.torch_cuda.microkernel import store_state
 
 
@@ -119,7 +126,10 @@ def prefill_attention(
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, STORE_LSE: tl.constexpr, DENSE_ROWS: tl.constexpr,
-        PRECISION: tl.constexpr, NUM_CTAS: tl.constexpr, TMA: tl.constexpr):
+        PRECISION: tl.constexpr, NUM_CTAS: tl.constexpr, TMA: tl.constexpr, MERGES: tl.constexpr):
+    # Split items and hidden keys are never planned together here (config.prefill_kernel): a split item whose
+    # state came out non-finite would need the merge flags of the persistent kernel's second launch.
+    tl.static_assert(not (MERGES and CAUSAL))
     w = tl.program_id(0)
     kv_head = tl.program_id(1)
     if w < tl.load(cta_indptr + NUM_CTAS):  # programs past the plan's items stop here
@@ -173,11 +183,27 @@ def prefill_attention(
         redo = False
         if CAUSAL:
             redo |= tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0  # a non-finite row: computed again, hidden values dropped
+        partial = -1
+        if MERGES:
+            partial = tl.load(item + _PARTIAL)
         if redo:
             tl.store(item_flags + w * num_kv_heads + kv_head, 1)
-        else:
+        elif partial < 0:
             store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
                         stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
+        else:
+            # A split item: its partial state, then the merge's fold by the last of its items to land, in the
+            # plan's order (executor.py, step 4).
+            store_state(part_o, part_lse, partial + rel, head, valid_m, d, o, lse, stride_pn, stride_ph, 1,
+                        stride_pln, stride_plh, HEAD_DIM, True)
+            merge = tl.load(item + _MERGE)
+            parts_lo = tl.load(item + _PARTS_LO)
+            parts_hi = tl.load(item + _PARTS_HI)
+            if last_to_arrive(sync + merge * num_kv_heads + kv_head, parts_hi - parts_lo):
+                o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head, valid_m, d,
+                                       stride_pn, stride_ph, stride_pln, stride_plh, HEAD_DIM, False)
+                store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
+                            stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
 
 
 def constexprs(config, q_dtype, tma: bool) -> dict:
@@ -186,7 +212,8 @@ def constexprs(config, q_dtype, tma: bool) -> dict:
     return dict(HEAD_DIM=config.head_dim, GROUP=config.group_size, BLOCK_SIZE=block_size_constexpr(config.block_size),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d, CAUSAL=config.causal,
                 SOFT_CAP=config.soft_cap, STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
-                PRECISION="ieee" if q_dtype == torch.float32 else "tf32", NUM_CTAS=config.num_ctas, TMA=tma)
+                PRECISION="ieee" if q_dtype == torch.float32 else "tf32", NUM_CTAS=config.num_ctas, TMA=tma,
+                MERGES=config.merges)
 
 
 def tma_ready(config, q, k, v) -> bool:

@@ -108,7 +108,7 @@ class Runner:
                 num_ctas=self.work_plan.num_ctas, num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
                 head_dim=spec.head_dim, block_size=spec.layout.block_size, block_m=t.block_m, block_n=t.block_n,
                 block_d=cfg.block_d(spec.head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
-                kv_view=kv_view, causal=_causal_hides_keys(spec), window_left=variant.window_left,
+                kv_view=kv_view, causal=cfg.causal_hides_keys(spec), window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
                 sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
                 store_lse=store_lse, dense_rows=self.dense_rows,
@@ -234,14 +234,6 @@ _RECORDED = ("block_size", "whether a custom mask is read", "the score scale", "
              "the soft cap", "whether ALiBi is on", "the sigmoid bias", "the sinks", "whether RoPE is on")
 
 
-def _causal_hides_keys(spec) -> bool:
-    """Whether the variant's causal mask hides any key of the spec's layout: not when every row has at most one
-    query (a decode step's query sits at its row's last position and sees every key). Where it hides none the
-    kernel runs without it, and so without the second pass that only a hidden key's non-finite value needs."""
-    qo = spec.layout.qo_lens
-    return spec.variant.causal and qo.size > 0 and int(qo.max()) > 1
-
-
 def _recorded(spec) -> tuple:
     """What a CUDA graph captured around :meth:`Runner.run` records of a plan, beyond the buffers' contents that
     a re-plan refills (:data:`_RECORDED` names them): the kernel's compile-time switches and scalar arguments.
@@ -249,7 +241,7 @@ def _recorded(spec) -> tuple:
     change: the kernel runs any plan of the buffers correctly with any."""
     variant = spec.variant
     return (spec.layout.block_size, spec.layout.custom_mask is not None, spec.sm_scale,
-            _causal_hides_keys(spec), variant.window_left, variant.logits_soft_cap, variant.alibi_slopes is not None,
+            cfg.causal_hides_keys(spec), variant.window_left, variant.logits_soft_cap, variant.alibi_slopes is not None,
             variant.sigmoid_bias, variant.sinks, variant.use_rope)
 
 
