@@ -302,6 +302,35 @@ def test_batch_invariance_with_fixed_split_size():
 
 # ---- eager launches -------------------------------------------------------------------------------------
 
+GROWING_PLANS = {  # (qo_lens, kv_lens, variant) of a small plan, then of one with more items than its capacity
+    "causal prefill": (([1100, 1100], [1100, 1100]), ([2000] * 8, [2000] * 8), ba.Variant(causal=True)),
+    "chains of short decode items": (([1] * 80, [200] * 80), ([1] * 600, [200] * 600), ba.Variant()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GROWING_PLANS))
+def test_a_plan_of_more_items_than_a_kept_kernels_grid_runs_every_item(case, monkeypatch):
+    """The item kernel's grid is its buffers' item capacity. A later plan of the same kind whose buffers hold
+    more items must not reuse a kept kernel launched over the first buffers' grid: every row is written."""
+    from bsrattn.torch_cuda import executor
+
+    monkeypatch.setattr(executor, "_COMPILED", {})  # the small plan's kernels are the first of their kind
+    rng = np.random.default_rng(13)
+    small, large, variant = GROWING_PLANS[case]
+    capacities = []
+    for qo_lens, kv_lens in (small, large):
+        layout = _paged(rng, qo_lens, kv_lens)
+        q, k, v = _inputs(rng, layout, "float16", "float16")
+        attn = ba.BatchAttention(backend="torch")
+        attn.plan(layout, HQ, HKV, D, variant=variant, q_dtype="float16", kv_dtype="float16")
+        runner = attn._runners[0]
+        assert runner.launch_config("float16", "NHD", True).prefill, "the case must run the item kernel"
+        capacities.append(runner.buffers.item_capacity)
+        out = torch.full_like(q, float("nan"))
+        got = attn.run(q, k, v, out=out, return_lse=True)
+        assert_matches_reference(got, q, k, v, layout, "float16", variant=variant)
+    assert int(attn.work_plans[0].cta_indptr[-1]) > capacities[0], capacities
+
 @pytest.mark.parametrize("case", ("split decode", "causal prefill"))
 def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
     """The first eager launch of a kind goes through Triton, which compiles; the torch tier keeps the compiled

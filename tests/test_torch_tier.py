@@ -611,6 +611,32 @@ def test_kept_kernels_go_through_triton_while_a_launch_hook_is_set(monkeypatch):
     assert executor._hook_holder() is CompiledKernel
 
 
+def test_a_launch_over_buffers_of_another_item_capacity_keeps_its_own_kernels(monkeypatch):
+    """The item kernel's grid is its buffers' item capacity, and a kept kernel carries the grid it was launched
+    over: a later plan whose buffers hold more items must not launch the first plan's kept kernels, or the items
+    past the first capacity never run. Here kept kernels do nothing, so a launch that reused them would leave the
+    second plan's rows unwritten (the interpreter compiles nothing to keep: this stands in for the GPU)."""
+    from bsrattn.torch_cuda import executor
+
+    def do_nothing(compiled, grid, tail, descriptors):
+        return executor.KeptKernel(lambda *args, **kwargs: None, lambda *args: None, grid, None, None, tail,
+                                   descriptors)
+
+    monkeypatch.setattr(executor, "_KEEPS_KERNELS", True)
+    monkeypatch.setattr(executor, "_COMPILED", {})
+    monkeypatch.setattr(executor.KeptKernel, "of", staticmethod(do_nothing))
+    rng = np.random.default_rng(5)
+    capacities = []
+    for batch in (8, 20):  # chains of short decode items (config.decode_on_items): 8 and then 20 items
+        problem = paged_problem(rng, qo_lens=(1,) * batch, kv_lens=tuple(rng.integers(20, 60, size=batch)))
+        run, attn = _batch(problem, torch.float16)
+        check_attention(run, problem, "float16", name=f"decode of {batch} rows")
+        runner = attn._runners[0]
+        assert runner.launch_config("float16", "NHD", True).prefill, "the case must run the item kernel"
+        capacities.append(runner.buffers.item_capacity)
+    assert capacities[0] < 20, capacities
+
+
 SPLIT_DECODES = {  # (qo_lens, kv_lens): the item kernel's two kinds of decode plan (config.decode_on_items)
     "chains of short items": ((1,) * 8, (300, 12, 170, 40, 90, 200, 33, 100)),
     "tiles of 32 rows": ((16,), (300,)),

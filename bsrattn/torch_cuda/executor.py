@@ -440,7 +440,10 @@ class Launch:
         self._plan_ptrs = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in self.plan)
         # Block sizes that are not powers of two share one kernel (gather.block_size_constexpr).
         kernel_config = replace(config, block_size=block_size_constexpr(config.block_size))
-        self._plan_kind = (kernel_config, self.sync.device, *map(_specialised, self.plan))
+        # A kept kernel carries its grid, and the item kernel's is the buffers' item capacity: buffers of another
+        # capacity are another kind, or a later plan's items past the first capacity would never run.
+        grid = self.item_capacity if config.prefill else 0
+        self._plan_kind = (kernel_config, grid, self.sync.device, *map(_specialised, self.plan))
         self._last = (None, None)  # the last call's (dtypes, pointers' alignment, strides) and its kernels
         self._scratch = None
 
