@@ -523,6 +523,30 @@ def test_merge_kernels():
         assert_close(be.add_states(o_t[:, 0], o_t[:, 1]), o_r[:, 0] + o_r[:, 1], "merge", name)
 
 
+def test_one_shot_calls_of_one_spec_plan_once(monkeypatch):
+    """A model's layers call ``attention`` with one layout in a step: the torch tier keeps the last one-shot call's
+    runner and runs its plan again for a call of the same spec (the same layout object, heads, variant, dtypes and
+    view), planning again whenever any of them changes; every call answers as the reference does."""
+    from bsrattn import scheduler
+    from bsrattn.torch_cuda import runner as truner
+
+    plans = []
+    real = scheduler._plan_valid
+    monkeypatch.setattr(scheduler, "_plan_valid", lambda *args, **kwargs: plans.append(1) or real(*args, **kwargs))
+    monkeypatch.setattr(truner, "_kept", {})
+    rng = np.random.default_rng(8)
+    plain = paged_problem(rng, qo_lens=(1, 1, 1), kv_lens=(40, 70, 20))
+    capped = Problem(plain.case, 4, 2, 16, ba.Variant(logits_soft_cap=2.0), seed=0)
+    other = paged_problem(rng, qo_lens=(1, 1), kv_lens=(90, 30))
+    calls = [(plain, torch.float32, 1), (plain, torch.float32, 1), (capped, torch.float32, 2),
+             (plain, torch.float32, 3), (plain, torch.float16, 4), (plain, torch.float16, 4), (other, torch.float16, 5),
+             (other, torch.float16, 5)]
+    for i, (problem, dtype, planned) in enumerate(calls):
+        name = "float16" if dtype == torch.float16 else "float32"
+        check_attention(_attention(problem, dtype), problem, name, name=f"call {i}")
+        assert len(plans) == planned, (i, len(plans))
+
+
 # ---- torch.compile ------------------------------------------------------------------------------------
 
 def test_custom_ops_trace_without_graph_breaks():

@@ -279,25 +279,45 @@ def _give_back(buffers):
             del spares[0]  # back to the allocator
 
 
+_kept = {}  # PlanBuffers.shape_key -> the Runner of the last one-shot call, for a next call of the same spec
+
+
 def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
     """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once.
 
-    The plan goes into the buffers of an earlier one-shot call of the same heads, head_dim and device when one
-    is idle (its plan's copy to the device has finished) and large enough: allocating them and binding their
-    launch cost more host time than a small decode. Two calls at once never share buffers; under CUDA graph
-    capture every call gets buffers of its own, kept by nobody else (a captured graph reads them at replay).
-    The spares stay allocated: at most :data:`SPARES_PER_SHAPE` sets holding :data:`SPARE_WORKSPACE_BYTES` of
-    workspace per (heads, head_dim, device).
+    The runner of the last call of the same heads, head_dim and device is kept: a call of the same spec (the
+    same layout object, heads, variant, dtypes and view, as a model's layers make with one layout in a step)
+    runs its plan again without planning; layouts are immutable, so the plan is still theirs. Otherwise the plan
+    goes into the buffers of an earlier call when one is idle (its plan's copy to the device has finished) and
+    large enough: allocating them and binding their launch cost more host time than a small decode. Two calls
+    at once never share a runner or buffers; under CUDA graph capture every call gets buffers of its own, kept
+    by nobody else (a captured graph reads them at replay). The spares stay allocated: at most
+    :data:`SPARES_PER_SHAPE` sets holding :data:`SPARE_WORKSPACE_BYTES` of workspace per (heads, head_dim,
+    device), and the kept runner's.
     """
     device = canonical_device(device_of(q, k, v, out, lse))
-    work_plan = scheduler._plan_valid(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     shape_key = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
-    spare = None if capturing else _take_spare(Capacity.needed(work_plan, spec.layout, spec.variant.use_rope),
-                                               shape_key)
-    runner = Runner(spec, work_plan, device, spare, headroom=False)
+    runner = None if capturing else _kept.pop(shape_key, None)  # taken: no other call runs it meanwhile
+    if runner is not None and not _same_spec(runner.spec, spec):
+        _give_back(runner.buffers)
+        runner = None
+    if runner is None:
+        work_plan = scheduler._plan_valid(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
+        spare = None if capturing else _take_spare(Capacity.needed(work_plan, spec.layout, spec.variant.use_rope),
+                                                   shape_key)
+        runner = Runner(spec, work_plan, device, spare, headroom=False)
     try:
         return runner.run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
     finally:
         if not capturing:
-            _give_back(runner.buffers)
+            earlier = _kept.pop(shape_key, None)  # a call that ran meanwhile kept its own
+            _kept[shape_key] = runner
+            if earlier is not None:
+                _give_back(earlier.buffers)
+
+
+def _same_spec(a, b) -> bool:
+    """Whether specs ``a`` and ``b`` plan alike: the same layout object (layouts are immutable), heads, variant,
+    dtypes, view and grid, and the same RoPE positions object (which spec equality leaves out)."""
+    return a == b and a.rope_positions is b.rope_positions
