@@ -16,7 +16,10 @@ Implementations:
 
 - ``bsrattn-torch``: ``BatchAttention.run`` on a plan made outside the loop (one ``plan`` per generation step
   serves every layer of a model);
-- ``bsrattn-torch-oneshot``: ``ba.attention``, which plans every call;
+- ``bsrattn-torch-oneshot``: ``ba.attention`` with the same layout object every call, as a model's layers call
+  it in one step (the torch tier runs the last call's plan again for a call of the same spec);
+- ``bsrattn-torch-oneshot-replan``: ``ba.attention`` on two layout objects of the same rows in turn, so that
+  every call plans;
 - ``bsrattn-numba``: ``BatchAttention.run`` on the numba tier, at decode (it takes no bfloat16 device arrays);
 - ``flashinfer-cuda-core``: ``BatchDecodeWithPagedKVCacheWrapper.run``; ``flashinfer-fa2``:
   ``BatchPrefillWithRaggedKVCacheWrapper.run``; each planned outside the loop, as ``bsrattn-torch``.
@@ -26,6 +29,8 @@ Run: ``python3 benchmarks/w8_run_host.py [--quick]``.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import sys
 from functools import partial
 from pathlib import Path
@@ -44,14 +49,17 @@ DRY_DECODE = ((2, 32),)
 DRY_PREFILL = ((2, 24),)
 
 
-def build_one_shot(tier, case, variant, scales):
-    """``ba.attention`` on ``case``'s tensors (NumPy copies for the reference tier), planning every call."""
+def build_one_shot(tier, case, variant, scales, replan=False):
+    """``ba.attention`` on ``case``'s tensors (NumPy copies for the reference tier): on ``case.layout`` every
+    call, or with ``replan`` on it and a copy of it (another object, the same rows) in turn, which plans every
+    call."""
     if tier == "reference":
         q, k, v = (x.detach().cpu().numpy() for x in (case.q, case.k, case.v))
         out = None
     else:
         q, k, v, out = case.q, case.k, case.v, case.out
-    return lambda: ba.attention(q, k, v, case.layout, variant=variant, out=out, backend=tier, **scales)
+    layouts = itertools.cycle((case.layout, copy.copy(case.layout)) if replan else (case.layout,))
+    return lambda: ba.attention(q, k, v, next(layouts), variant=variant, out=out, backend=tier, **scales)
 
 
 def measure_all(suite, config, case, plan, variant, scales, flashinfer):
@@ -66,9 +74,10 @@ def measure_all(suite, config, case, plan, variant, scales, flashinfer):
                       out=case.out if tier != "reference" else None, graph="host-cost workload: calls from Python",
                       host_loop=True, **case.check_args())
     tier = tiers[0]
-    suite.measure(config, f"bsrattn-{tier}-oneshot", partial(build_one_shot, tier, case, variant, scales),
-                  out=case.out if tier != "reference" else None, graph="host-cost workload: calls from Python",
-                  host_loop=True, **case.check_args())
+    for suffix, replan in (("oneshot", False), ("oneshot-replan", True)):
+        suite.measure(config, f"bsrattn-{tier}-{suffix}", partial(build_one_shot, tier, case, variant, scales, replan),
+                      out=case.out if tier != "reference" else None, graph="host-cost workload: calls from Python",
+                      host_loop=True, **case.check_args())
     suite.measure(config, flashinfer[0], flashinfer[1], out=case.out, needs_cuda=True,
                   graph="host-cost workload: calls from Python", host_loop=True, **case.check_args())
 
