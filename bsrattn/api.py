@@ -159,7 +159,10 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
 
     Notes
     -----
-    These checks run before a tier is called. A tier adds its own: the devices it can use, and the torch tier
+    These checks run before a tier is called; a call over a BSRLayout like the last one that passed them (the
+    same layout object, variant and ``kv_layout``, arguments of the same types, shapes, dtypes, devices and
+    writability, the same flags and scales, no ``rope_positions``) skips them, as :meth:`BatchAttention.run`
+    does. A tier adds its own: the devices it can use, and the torch tier
     under the Triton interpreter refuses bfloat16 ``q``/``k``/``v`` (``TypeError``), which it computes wrongly.
 
     NaN and infinities, the same on every tier (per query row and head; see
@@ -193,8 +196,7 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
                   split_size=split)
         return attn.run(q, k, v, out=out, lse=lse, **run_kwargs)
     if isinstance(layout, BSRLayout):
-        spec = _positioned(layout, 0, spec_from_inputs(q, k, v, layout, variant, kv_layout, out=out, lse=lse,
-                                                       **run_kwargs), rope_positions)
+        spec = _one_shot_spec(q, k, v, layout, variant, kv_layout, out, lse, run_kwargs, rope_positions)
         if variant.sinks is None:
             o, s = be.attention(spec, q, k, v, out=out, lse=lse, **run_kwargs)
             return (o, s) if return_lse else o
@@ -207,6 +209,31 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
                            k_scale=k_scale, v_scale=v_scale) for spec in specs]
     o, s = _merge_levels(be, states, variant, out, lse)
     return (o, s) if return_lse else o
+
+
+_last_one_shot = None
+"""``(layout, (variant, kv_layout, run key), spec)`` of the last one-shot call of a BSRLayout that passed the
+checks, the run key as :func:`_run_key` gives it."""
+
+
+def _one_shot_spec(q, k, v, layout, variant, kv_layout, out, lse, run_kwargs, rope_positions):
+    """The checked spec of a one-shot call over a BSRLayout. The checks read only the layout (immutable), the
+    variant, ``kv_layout`` and what the run key holds of the arguments (as :meth:`BatchAttention.run`'s do), so
+    a call with the last passing call's layout object, variant, view and key gets its spec without them: a
+    model's layers call with one layout in a step. With ``rope_positions`` (arrays of the caller's) the checks
+    always run."""
+    global _last_one_shot
+    key = None
+    if rope_positions is None:
+        key = _run_key(q, k, v, out, lse, run_kwargs["return_lse"], run_kwargs["k_scale"], run_kwargs["v_scale"])
+        last = _last_one_shot
+        if key is not None and last is not None and last[0] is layout and last[1] == (variant, kv_layout, key):
+            return last[2]
+    spec = _positioned(layout, 0, spec_from_inputs(q, k, v, layout, variant, kv_layout, out=out, lse=lse,
+                                                   **run_kwargs), rope_positions)
+    if key is not None:
+        _last_one_shot = (layout, (variant, kv_layout, key), spec)
+    return spec
 
 
 class BatchAttention:

@@ -350,6 +350,45 @@ def test_run_checks_again_whatever_differs_from_the_last_call_that_passed(name):
         attn.run(*args, **bad)
 
 
+@pytest.mark.parametrize("name", list(AFTER_A_GOOD_CALL))
+def test_a_one_shot_call_checks_again_whatever_differs_from_the_last_call_that_passed(name, monkeypatch):
+    """A one-shot call like the last one that passed (its layout object, variant, view and what the checks read
+    of the arguments) skips the checks; each of these differs from it in one thing the checks read, and must be
+    refused as by a first call."""
+    from bsrattn import api
+
+    monkeypatch.setattr(api, "_last_one_shot", None)
+    q, k, v = arrays()
+    good = dict(out=np.zeros(q.shape, f32), lse=np.zeros(q.shape[:2], f32), k_scale=1, v_scale=1.0, return_lse=True)
+    args, changed = AFTER_A_GOOD_CALL[name](q, k, v)
+    bad = {**good, **changed}
+    with pytest.raises((TypeError, ValueError)) as fresh:
+        ba.attention(*args, LAYOUT, backend="reference", **bad)
+    ba.attention(q, k, v, LAYOUT, backend="reference", **good)
+    with pytest.raises(type(fresh.value), match=f"^{re.escape(str(fresh.value))}$"):
+        ba.attention(*args, LAYOUT, backend="reference", **bad)
+
+
+def test_a_one_shot_call_like_the_last_that_passed_skips_only_its_checks(monkeypatch):
+    """The checks of a one-shot call run once for a layout object, variant and view and the arguments' kinds;
+    another layout object (even an equal one), variant or view is checked again."""
+    import copy
+
+    from bsrattn import api
+
+    monkeypatch.setattr(api, "_last_one_shot", None)
+    checked = []
+    real = api.spec_from_inputs
+    monkeypatch.setattr(api, "spec_from_inputs", lambda *args, **kwargs: checked.append(1) or real(*args, **kwargs))
+    q, k, v = arrays()
+    hnd = np.ascontiguousarray(k.transpose(0, 2, 1, 3)), np.ascontiguousarray(v.transpose(0, 2, 1, 3))
+    for call, want in ((dict(), 1), (dict(), 1), (dict(variant=ba.Variant(causal=True)), 2), (dict(), 3),
+                       (dict(layout=copy.copy(LAYOUT)), 4), (dict(kv=hnd, kv_layout="HND"), 5), (dict(), 6)):
+        kv = call.pop("kv", (k, v))
+        ba.attention(q, *kv, call.pop("layout", LAYOUT), backend="reference", **call)
+        assert len(checked) == want, (call, len(checked))
+
+
 # ---- 7. tensors without data, or on a device the tier cannot use ----------------------------------------
 
 @pytest.mark.parametrize("arg", ["q", "k", "v", "out", "lse"])
