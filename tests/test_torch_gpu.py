@@ -302,7 +302,7 @@ def test_batch_invariance_with_fixed_split_size():
 
 # ---- eager launches -------------------------------------------------------------------------------------
 
-GROWING_PLANS = {  # (qo_lens, kv_lens, variant) of a small plan, then of one with more items than its capacity
+GROWING_PLANS = {  # a small plan's (qo_lens, kv_lens), those of a plan of more items than its capacity, the variant
     "causal prefill": (([1100, 1100], [1100, 1100]), ([2000] * 8, [2000] * 8), ba.Variant(causal=True)),
     "chains of short decode items": (([1] * 80, [200] * 80), ([1] * 600, [200] * 600), ba.Variant()),
 }
@@ -330,6 +330,7 @@ def test_a_plan_of_more_items_than_a_kept_kernels_grid_runs_every_item(case, mon
         got = attn.run(q, k, v, out=out, return_lse=True)
         assert_matches_reference(got, q, k, v, layout, "float16", variant=variant)
     assert int(attn.work_plans[0].cta_indptr[-1]) > capacities[0], capacities
+
 
 @pytest.mark.parametrize("case", ("split decode", "causal prefill"))
 def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
