@@ -376,7 +376,9 @@ class BatchAttention:
             else:
                 spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, level_variant, q_dtype, kv_dtype,
                                  kv_layout)
-            spec = replace(_positioned(layout, i, spec, rope_positions), split_size=split)
+            spec = _positioned(layout, i, spec, rope_positions)
+            if spec.split_size != split:
+                spec = replace(spec, split_size=split)
             if split is not None and spec.rope_positions is not None:
                 check_on_grid(spec.rope_positions[1], split, "rope_positions[1] (kv_offsets)")
             options = dict(self.backend.plan_options(spec))

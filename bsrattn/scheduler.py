@@ -15,7 +15,7 @@ re-exported here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -359,8 +359,11 @@ _core = Compiled(_plan_core, _chunk_size, _work_items, _longest_first_least_load
                  _partial_rows, _pack)
 
 
-def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance, lead_items=False) -> WorkPlan:
-    """The :class:`WorkPlan` of int32 lengths ``qo``, ``kv`` (checked by the caller); its arrays are views of one."""
+def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance, lead_items=False,
+               grid=None) -> WorkPlan:
+    """The :class:`WorkPlan` of int32 lengths ``qo``, ``kv`` (checked by the caller), balanced over ``num_ctas``
+    CTAs of a ``grid`` of CTAs (default ``num_ctas``; the others get no items); its arrays but ``cta_indptr``'s
+    padding are views of one."""
     num_ctas, tile_q = int(num_ctas), int(tile_q)
     flat, chunk, w, m, p, rows = _core(qo, kv, num_ctas, tile_q, int(split), int(min_split_size), int(kv_align),
                                          balance, bool(lead_items))
@@ -370,6 +373,10 @@ def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balanc
     for size in (num_ctas + 1, w, w, w, w, w, w, w, m + 1, p, m, m):
         arrays.append(flat[at:at + size])
         at += size
+    if grid is not None and grid > num_ctas:
+        indptr = arrays[0]
+        arrays[0] = np.concatenate([indptr, np.full(grid - num_ctas, indptr[-1], dtype=indptr.dtype)])
+        num_ctas = grid
     return WorkPlan(num_ctas, tile_q, int(chunk), *arrays, num_partial_rows=int(rows))
 
 
@@ -450,12 +457,8 @@ def _plan_valid(qo, kv, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int
     if lead_items and fixed_split_size is None:
         raise ValueError("lead_items=True needs fixed_split_size: it rounds a row's first item onto that grid")
     busy = num_ctas if busy_ctas is None else as_int("busy_ctas", busy_ctas, minimum=1, maximum=num_ctas)
-    work_plan = _make_plan(qo, kv, busy, tile_q, _split(fixed_split_size, disable_split_kv), min_split_size,
-                           kv_align, True, lead_items)
-    if busy == num_ctas:
-        return work_plan
-    idle = np.full(num_ctas - busy, work_plan.cta_indptr[-1], dtype=work_plan.cta_indptr.dtype)
-    return replace(work_plan, num_ctas=num_ctas, cta_indptr=np.concatenate([work_plan.cta_indptr, idle]))
+    return _make_plan(qo, kv, busy, tile_q, _split(fixed_split_size, disable_split_kv), min_split_size, kv_align,
+                      True, lead_items, grid=num_ctas)
 
 
 def round_robin(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int = 1) -> WorkPlan:

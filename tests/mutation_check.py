@@ -187,8 +187,8 @@ MUTANTS = (
            'return hook is not None and bool(getattr(hook, "calls", True))', "return hook is not None",
            ("tests/test_torch_tier.py::test_kept_kernels_go_through_triton_while_a_launch_hook_is_set",)),
     Mutant("the idle CTAs handed the first items", "bsrattn/scheduler.py",
-           "idle = np.full(num_ctas - busy, work_plan.cta_indptr[-1], dtype=work_plan.cta_indptr.dtype)",
-           "idle = np.full(num_ctas - busy, 0, dtype=work_plan.cta_indptr.dtype)",
+           "np.full(grid - num_ctas, indptr[-1], dtype=indptr.dtype)",
+           "np.full(grid - num_ctas, 0, dtype=indptr.dtype)",
            ("tests/test_scheduler.py::"
             "test_busy_ctas_balances_over_the_first_ctas_and_leaves_the_rest_empty[python]",)),
     Mutant("deterministic mode's chunks computed as a normal item's (BLAS over the item's shapes)",
