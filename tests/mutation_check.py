@@ -172,7 +172,7 @@ MUTANTS = (
            "few_pairs = m <= DECODE_FEW_ROWS and ", "few_pairs = ",
            ("tests/test_torch_tier.py::test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm",)),
     Mutant("a decode's chains of short items left on the persistent kernel", "bsrattn/torch_cuda/config.py",
-           "return items >= DECODE_CHAIN_ITEMS * work_plan.num_ctas and", "return False and",
+           "return kv.size >= DECODE_CHAIN_ITEMS * work_plan.num_ctas and", "return False and",
            ("tests/test_torch_tier.py::test_a_split_decode_runs_the_item_kernel_with_its_merges",)),
     Mutant("kept kernels shared by buffers of another item capacity", "bsrattn/torch_cuda/executor.py",
            "grid = self.item_capacity if config.prefill else 0", "grid = 0",

@@ -206,9 +206,8 @@ def decode_on_items(work_plan, rows: int) -> bool:
     """Whether a decode plan whose tiles hold ``rows`` rows runs the item kernel (:data:`DECODE_CHAIN_ITEMS`)."""
     if rows > DECODE_FEW_ROWS:
         return True
-    items = int(work_plan.cta_indptr[-1])
-    kv = work_plan.item_kv_end[:items] - work_plan.item_kv_start[:items]
-    return items >= DECODE_CHAIN_ITEMS * work_plan.num_ctas and kv.mean(dtype=np.float64) <= DECODE_SHORT_ITEM
+    kv = work_plan.item_kv_end - work_plan.item_kv_start
+    return kv.size >= DECODE_CHAIN_ITEMS * work_plan.num_ctas and kv.mean(dtype=np.float64) <= DECODE_SHORT_ITEM
 
 
 def prefill_kernel(spec, work_plan, q_dtype: str, dense_rows: bool) -> int:

@@ -480,14 +480,12 @@ class Launch:
                         *self._plan_ptrs)
                 direct = stream is not None and _no_launch_hooks()
                 for kernel in kernels:
-                    if kernel.descriptors:
-                        with prefill.descriptor_scratch(self.scratch):
-                            kernel.run(*args, *kernel.tail, stream=stream)
-                    elif direct:
+                    if direct and not kernel.descriptors:
                         kernel.launcher(*kernel.grid, stream, kernel.function, kernel.metadata, None, None, None,
                                         *args, *kernel.tail)
                     else:
-                        kernel.run(*args, *kernel.tail, stream=stream)
+                        with self._scratch_turn(kernel.descriptors):
+                            kernel.run(*args, *kernel.tail, stream=stream)
         except BaseException:
             # A first pass launched without its second may leave flags set: cleared in stream order, so that
             # the next launch, or a captured graph's next replay, starts from zeros.
