@@ -61,15 +61,30 @@ def _reusable(spec, variant) -> bool:
     return spec.variant is variant or spec.variant == variant
 
 
-def _merge_levels(backend, states, variant, out, lse, sink_rows=None):
-    """Fold the levels' states in level order with ⊕ (or by addition for FlashSigmoid), then the sinks
-    (``sink_rows``: where their state is kept between calls, see :func:`~bsrattn.state.merge_sinks`)."""
+def _fold_states(backend, states, variant):
+    """The levels' states folded in level order with ⊕ (or by addition for FlashSigmoid)."""
     o, s = states[0]
     for o_b, s_b in states[1:]:
         if variant.use_sigmoid:
             o = backend.add_states(o, o_b)
         else:
             o, s = backend.merge_state(o, s, o_b, s_b)
+    return o, s
+
+
+def _merge_levels(backend, run_level, num_levels, variant, out, lse, return_lse, sink_rows=None):
+    """Every level's state, folded in level order (:func:`_fold_states`), then the sinks (``sink_rows``: where their
+    state is kept between calls, see :func:`~bsrattn.state.merge_sinks`), into ``out``/``lse``.
+
+    ``run_level(i, out=, lse=, return_lse=)`` runs level ``i``. On a tier whose kernel folds a prior state
+    (:attr:`Backend.folds_prior`), the last level runs with the others' fold as ``prior=`` and writes ``out``/``lse``
+    itself: no launch for the merge, and no copy into the caller's buffers."""
+    if backend.folds_prior and num_levels > 1 and not variant.use_sigmoid and variant.sinks is None:
+        prior = _fold_states(backend, [run_level(i, out=None, lse=None, return_lse=True)
+                                       for i in range(num_levels - 1)], variant)
+        return run_level(num_levels - 1, out=out, lse=lse, return_lse=return_lse, prior=prior)
+    states = [run_level(i, out=None, lse=None, return_lse=not variant.use_sigmoid) for i in range(num_levels)]
+    o, s = _fold_states(backend, states, variant)
     if variant.sinks is not None:
         o, s = merge_sinks(backend, o, s, variant.sinks, sink_rows)
     return write_into(o, s, out, lse)
@@ -205,9 +220,8 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
         specs = [_positioned(layout, i, spec_from_inputs(q, k, v, level, _level_variant(layout, i, variant),
                                                          kv_layout, out=out, lse=lse, **run_kwargs), rope_positions)
                  for i, level in enumerate(_levels(layout))]
-    states = [be.attention(spec, q, k, v, out=None, lse=None, return_lse=not variant.use_sigmoid,
-                           k_scale=k_scale, v_scale=v_scale) for spec in specs]
-    o, s = _merge_levels(be, states, variant, out, lse)
+    o, s = _merge_levels(be, lambda i, **kw: be.attention(specs[i], q, k, v, k_scale=k_scale, v_scale=v_scale, **kw),
+                         len(specs), variant, out, lse, return_lse)
     return (o, s) if return_lse else o
 
 
@@ -472,9 +486,8 @@ class BatchAttention:
             if single:
                 o, s = runner.run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
                 return (o, s) if return_lse else o
-            states = [r.run(q, k, v, out=None, lse=None, return_lse=not variant.use_sigmoid, **run_kwargs)
-                      for r in self._runners]
-            o, s = _merge_levels(self.backend, states, variant, out, lse, self._sink_rows)
+            o, s = _merge_levels(self.backend, lambda i, **kw: self._runners[i].run(q, k, v, **kw, **run_kwargs),
+                                 len(self._runners), variant, out, lse, return_lse, self._sink_rows)
             return (o, s) if return_lse else o
 
         return general

@@ -99,7 +99,7 @@ class Backend:
 
     def attention(self, spec: AttentionSpec, q: Array, k: Array, v: Array, *, out: Array | None = None,
                   lse: Array | None = None, return_lse: bool = False, k_scale: float | None = None,
-                  v_scale: float | None = None) -> tuple[Array, Array | None]:
+                  v_scale: float | None = None, prior: tuple | None = None) -> tuple[Array, Array | None]:
         """Attention over ``spec.layout`` (one BSRLayout): ``(out, lse)``, ``lse`` None unless ``return_lse``.
 
         ``q [nnz_qo, num_qo_heads, head_dim]``, ``k``/``v`` as ``spec.kv_view`` says; ``out``/``lse`` are
@@ -120,14 +120,25 @@ class Backend:
         k_scale, v_scale : float, optional
             Scales of the stored K and V, of any KV dtype (fp8's dequantisation scales): scores are
             taken with ``k * k_scale`` and outputs made of ``v * v_scale``. None: 1.
+        prior : (o, lse), optional
+            A state of the same query rows that the kernel folds in first (``prior ⊕`` this one's); only on a
+            tier that :attr:`folds_prior`.
 
         Returns
         -------
         (out, lse)
             ``lse`` is None unless ``return_lse``.
         """
+        folded = {} if prior is None else {"prior": prior}  # a tier that folds none takes no such argument
         return self.module.attention(spec, q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale,
-                                     v_scale=v_scale)
+                                     v_scale=v_scale, **folded)
+
+    @property
+    def folds_prior(self) -> bool:
+        """Whether the tier's ``attention`` and runners' ``run`` take ``prior=(o, lse)``, a state of the same query
+        rows that the kernel folds in before writing (the module sets ``FOLDS_PRIOR``): a Cascade's levels are
+        then merged without a launch of their own (:mod:`bsrattn.api`)."""
+        return bool(getattr(self.module, "FOLDS_PRIOR", False))
 
     def merge_state(self, o_a: Array, lse_a: Array, o_b: Array, lse_b: Array) -> tuple[Array, Array]:
         """The ⊕ of two states ``o [..., H, D]``, ``lse [..., H]``: ``(o, lse)``.

@@ -155,8 +155,11 @@ def test_missing_dependency_names_the_fix(probe, monkeypatch, tier, package, fix
 
 
 def test_backend_exposes_exactly_the_tier_functions():
-    methods = {name for name in vars(backends.Backend) if not name.startswith("_")}
-    assert methods == set(backends.TIER_FUNCTIONS)
+    public = {name: x for name, x in vars(backends.Backend).items() if not name.startswith("_")}
+    assert {name for name, x in public.items() if not isinstance(x, property)} == set(backends.TIER_FUNCTIONS)
+    # Beyond them, one thing a tier may say of itself: whether its kernels fold a prior state (a Cascade's levels).
+    assert {name for name, x in public.items() if isinstance(x, property)} == {"folds_prior"}
+    assert not ba.get_backend("reference").folds_prior
 
 
 @pytest.mark.parametrize("tier", sorted(backends.REGISTRY))

@@ -52,6 +52,10 @@ CONFIGS = {
     "prefill fp16 + fp8-e4m3 KV, paged, soft cap, the item kernel": ("float16", "float8_e4m3fn", 128, 4, 32, "NHD",
                                                                      16, dict(soft_cap=True, merges=False,
                                                                               prefill="items")),
+    "decode fp16, G4, a cascade's last level (a prior state folded in)": ("float16", "float16", 128, 4, 1, "NHD", 16,
+                                                                          dict(prior=True)),
+    "decode fp16, G1, the item kernel with merges, a prior state folded in": ("float16", "float16", 128, 1, 16, "NHD",
+                                                                              16, dict(prefill="items", prior=True)),
     "deterministic decode fp16, G4": ("float16", "float16", 128, 4, 1, "NHD", 16, dict(deterministic=True)),
     "deterministic prefill bf16, causal, sliding window": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1,
                                                            dict(deterministic=True, causal=True, window_left=100)),
@@ -80,7 +84,8 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
         rope=flags.get("rope", False), custom_mask=flags.get("custom_mask", False),
         store_lse=flags.get("store_lse", not flags.get("sigmoid")), dense_rows=flags.get("dense_rows", True),
         merges=flags.get("merges", True), grid=1024 if flags.get("deterministic") else 0,
-        prefill={None: 0, "items": cfg.PREFILL_ITEMS, "tma": cfg.PREFILL_TMA}[flags.get("prefill")])
+        prefill={None: 0, "items": cfg.PREFILL_ITEMS, "tma": cfg.PREFILL_TMA}[flags.get("prefill")],
+        prior=flags.get("prior", False))
     kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
                 "NHD3": (blocks, hkv, head_dim)}[view]
     q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))
@@ -88,7 +93,8 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
     buffers = PlanBuffers(Capacity(4, 64, 16, 64, 64, 256, 64), hq, hkv, head_dim, torch.device("cpu"))
     lse = torch.empty((32, hq)) if config.store_lse else buffers.no_lse
     scalars = cfg.Scalars(0.088, 1.0, 30.0, 0.0)
-    _, args, kwargs = launch_args(q, k, v, torch.empty_like(q), lse, buffers, config, scalars)
+    prior = (torch.empty_like(q), torch.empty((32, hq))) if config.prior else None
+    _, args, kwargs = launch_args(q, k, v, torch.empty_like(q), lse, buffers, config, scalars, prior)
     options = {key: kwargs[key] for key in ("num_warps", "num_stages", "enable_fp_fusion")}
     fn, _, constexprs = passes(config, q.dtype, buffers.item_capacity, flags.get("prefill") == "tma")[
         1 if flags.get("redo") else 0]

@@ -497,6 +497,34 @@ def test_cascade_through_attention_and_batch_attention():
         check_attention(_batch(problem, num_ctas=2)[0], problem, "float32", name=f"cascade plan {variant}")
 
 
+@pytest.mark.parametrize("kernel", ["persistent", "items"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole rows", "split rows"])
+def test_a_cascades_last_level_folds_the_levels_before_it(kernel, split, monkeypatch):
+    """The torch tier merges a Cascade's levels in its last level's kernel: that level runs with the fold of the
+    levels before it as its prior state and writes the output itself, with no merge launch, whether it stores a
+    whole row (an item's store) or a split one (the merge's), on either kernel. Its rows, a request with no suffix
+    among them, answer as the reference does, planned and one-shot."""
+    monkeypatch.setattr(tcfg, "decode_on_items", lambda work_plan, rows: kernel == "items")
+    merged = []
+    merge_state = ba.backends.Backend.merge_state
+    monkeypatch.setattr(ba.backends.Backend, "merge_state",
+                        lambda self, *states: merged.append(self.name) or merge_state(self, *states))
+    case = named_case("shared_prefix", dict(qo_lens=[1, 1, 1], prefix_pages=[0, 3, 5], prefix_len=21,
+                                            suffix_page_tables=[[1], [2, 4], []], suffix_lens=[5, 11, 0],
+                                            page_size=8, num_pages=6))
+    problem = Problem(case, 4, 2, 16, ba.Variant(logits_soft_cap=3.0), seed=12)
+    plan = dict(num_ctas=2, fixed_split_size=3) if split else dict(disable_split_kv=True)
+    run, attn = _batch(problem, torch.float16, **plan)
+    check_attention(run, problem, "float16", name=f"cascade, {kernel}, split {split}")
+    last = attn._runners[-1]
+    assert (last.work_plan.num_merges > 0) == split
+    (key, config), = last._configs.items()
+    assert key[3] and config.prior and bool(config.prefill) == (kernel == "items"), config
+    assert not any(key[3] for key in attn._runners[0]._configs), "the first level folds no prior"
+    check_attention(_attention(problem, torch.float16), problem, "float16", name=f"one-shot cascade, {kernel}")
+    assert merged == [], "a merge launched beside the levels"
+
+
 # ---- merge kernels ------------------------------------------------------------------------------------
 
 def test_merge_kernels():

@@ -31,6 +31,9 @@ from bsrattn.torch_cuda.arrays import device_of, to_numpy, to_torch
 
 __all__ = ["attention", "merge_state", "merge_states", "add_states", "plan_options", "make_runner", "Runner"]
 
+FOLDS_PRIOR = True
+"""``attention`` and ``Runner.run`` take ``prior=(o, lse)``, folded in by the kernel (``Backend.folds_prior``)."""
+
 
 def _tensors(named):
     """The named arrays as tensors on one device, and whether the caller gave NumPy (to hand NumPy back)."""

@@ -281,6 +281,11 @@ class LaunchConfig:
     running sum is taken on the tensor cores too (``p @ 1``, the weights ``p @ v`` uses) and the kernel compiles
     without FMA fusion (Triton's ``enable_fp_fusion``)."""
 
+    prior: bool = False
+    """Whether the launch folds an earlier level's state into every row it writes out (``Runner.run``'s ``prior``:
+    a Cascade's last level folds the levels before it, so the cascade needs no launch of its own for the merge);
+    the call decides it, not the plan, so a graph captured on a cascade's levels replays its re-plans."""
+
     @property
     def deterministic(self) -> bool:
         """Whether this is a deterministic launch (``grid`` > 0)."""

@@ -115,7 +115,7 @@ from bsrattn.torch_cuda.gather import block_size_constexpr, kv_strides
 from bsrattn.torch_cuda.indexing import _BLOCK_START, _FIRST_SLOT, _KV_END, _KV_LEN, _KV_START, _MASK_START, _MERGE, \
     _PARTIAL, _PARTS_HI, _PARTS_LO, _QO_END, _QO_FIRST, _QO_LEN, _QO_START, _ROPE_OFFSET, _STRIDE, query_position, \
     tile_head, tile_query
-from bsrattn.torch_cuda.merge import fold_partials, last_to_arrive, merge_pair
+from bsrattn.torch_cuda.merge import fold_partials, fold_prior, last_to_arrive, merge_pair
 from bsrattn.torch_cuda.microkernel import store_state
 
 
@@ -123,6 +123,7 @@ from bsrattn.torch_cuda.microkernel import store_state
 def persistent_attention(
         # The call's tensors and scalars (call_args) ...
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, out [nnz_qo, Hq, D]; k, v: storage view; lse [nnz_qo, Hq]
+        prior_o, prior_lse,  # PRIOR: an earlier level's state, folded into every output row (merge.fold_prior)
         stride_qn, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
@@ -141,7 +142,7 @@ def persistent_attention(
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr,
         STORE_LSE: tl.constexpr, DENSE_ROWS: tl.constexpr, MERGES: tl.constexpr, PRECISION: tl.constexpr,
-        DETERMINISTIC: tl.constexpr, GRID: tl.constexpr, REDO: tl.constexpr):
+        DETERMINISTIC: tl.constexpr, GRID: tl.constexpr, PRIOR: tl.constexpr, REDO: tl.constexpr):
     # sync, in blocks of merge_rows rows (the buffers' merge capacity): the first counts a merge's partial
     # states as they land, the second the same in the second launch, the third flags the merges whose output
     # came out non-finite; then one row per item flags such items.
@@ -256,6 +257,9 @@ def persistent_attention(
                 if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:  # a non-finite row: the second launch redoes the item
                     tl.store(item_flags + w * num_kv_heads + kv_head, 1)
             if partial < 0:
+                if PRIOR:
+                    o, lse = fold_prior(prior_o, prior_lse, qo_start + rel, head, valid_m, d, o, lse,
+                                        num_kv_heads * GROUP, HEAD_DIM)
                 store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
                             stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
             elif MERGES:
@@ -279,21 +283,26 @@ def persistent_attention(
                     o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head,
                                            valid_m, d, stride_pn, stride_ph, stride_pln, stride_plh, HEAD_DIM,
                                            SIGMOID)
-                    store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on,
-                                stride_oh, stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
                     if HIDDEN_KEYS and not REDO:
                         if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:
                             tl.store(merge_flags + merge * num_kv_heads + kv_head, 1)
+                    if PRIOR:
+                        o, lse = fold_prior(prior_o, prior_lse, qo_start + rel, head, valid_m, d, o, lse,
+                                            num_kv_heads * GROUP, HEAD_DIM)
+                    store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on,
+                                stride_oh, stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
 
 
-def call_args(q, k, v, out, lse, config, scalars) -> tuple:
+def call_args(q, k, v, out, lse, prior_o, prior_lse, config, scalars) -> tuple:
     """The arguments of :func:`persistent_attention` that a call gives: its tensors, their strides, the scalars.
 
     ``config`` is a :class:`~bsrattn.torch_cuda.config.LaunchConfig` and ``scalars`` a
     :class:`~bsrattn.torch_cuda.config.Scalars`; ``lse`` is the buffers' ``no_lse`` when ``config.store_lse``
-    is false. Shapes, dtypes and devices are the caller's to check.
+    is false, ``prior_o`` and ``prior_lse`` their ``no_prior`` when ``config.prior`` is. Shapes, dtypes and
+    devices are the caller's to check.
     """
-    return (q, k, v, out, lse, *q.stride(), *kv_strides(k, config.kv_view), *kv_strides(v, config.kv_view),
+    return (q, k, v, out, lse, prior_o, prior_lse, *q.stride(), *kv_strides(k, config.kv_view),
+            *kv_strides(v, config.kv_view),
             *out.stride(), *lse.stride(), config.block_size, scalars.qk_scale, scalars.v_scale, scalars.soft_cap,
             scalars.sigmoid_bias)
 
@@ -323,15 +332,17 @@ def constexprs(config, q_dtype, redo: bool = False) -> dict:
                 CUSTOM_MASK=config.custom_mask,
                 STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows, MERGES=config.merges,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32", DETERMINISTIC=config.deterministic,
-                GRID=max(config.grid, 1), REDO=redo)
+                GRID=max(config.grid, 1), PRIOR=config.prior, REDO=redo)
 
 
-def launch_args(q, k, v, out, lse, buffers, config, scalars):
-    """``(grid, args, kwargs)`` of :func:`persistent_attention`: :func:`call_args`, :func:`plan_args`, then
-    :func:`constexprs` and the launch options as keywords."""
+def launch_args(q, k, v, out, lse, buffers, config, scalars, prior=None):
+    """``(grid, args, kwargs)`` of :func:`persistent_attention`: :func:`call_args` (``prior`` a state ``(o, lse)``,
+    or None for the buffers' ``no_prior``), :func:`plan_args`, then :func:`constexprs` and the launch options as
+    keywords."""
     kwargs = dict(constexprs(config, q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
                   enable_fp_fusion=not config.deterministic)
-    args = call_args(q, k, v, out, lse, config, scalars) + plan_args(buffers, config)
+    prior_o, prior_lse = (buffers.no_prior, buffers.no_prior) if prior is None else prior
+    args = call_args(q, k, v, out, lse, prior_o, prior_lse, config, scalars) + plan_args(buffers, config)
     return (config.num_ctas, config.num_kv_heads), args, kwargs
 
 
@@ -347,10 +358,10 @@ def passes(config, q_dtype, item_capacity: int, tma: bool = False) -> list:
     return [first, *redo]
 
 
-def launch(q, k, v, out, lse, buffers, config, scalars):
-    """Launch each of :func:`passes` (arguments as :func:`launch_args`): a :class:`Launch` made for the one call (the
-    custom op's path, which ``torch.compile``'d code takes)."""
-    Launch(buffers, config)(q, k, v, out, lse, scalars)
+def launch(q, k, v, out, lse, prior_o, prior_lse, buffers, config, scalars):
+    """Launch each of :func:`passes` (arguments as :func:`call_args` and :func:`plan_args`): a :class:`Launch` made
+    for the one call (the custom op's path, which ``torch.compile``'d code takes)."""
+    Launch(buffers, config)(q, k, v, out, lse, prior_o, prior_lse, scalars)
 
 
 def _specialised(x):
@@ -454,24 +465,26 @@ class Launch:
             self._scratch = torch.empty(size, dtype=torch.uint8, device=self.sync.device)
         return self._scratch
 
-    def __call__(self, q, k, v, out, lse, scalars, stream=None):
-        """Launch each pass on the call's tensors, on ``stream`` (a raw CUDA stream handle; None: the current
-        stream, which Triton then reads itself)."""
+    def __call__(self, q, k, v, out, lse, prior_o, prior_lse, scalars, stream=None):
+        """Launch each pass on the call's tensors (as :func:`call_args` takes them), on ``stream`` (a raw CUDA stream
+        handle; None: the current stream, which Triton then reads itself)."""
         view = self.config.kv_view
-        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+        tensors = (q, k, v, out, lse, prior_o, prior_lse)
+        ptrs = tuple(x.data_ptr() for x in tensors)
         ints = (*q.stride(), *kv_strides(k, view), *kv_strides(v, view), *out.stride(), *lse.stride(),
                 self.config.block_size)
-        exact = (q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, *(p % 16 for p in ptrs), *ints)
+        exact = (*(x.dtype for x in tensors), *(p % 16 for p in ptrs), *ints)
         last, kernels = self._last
         if last != exact:
             # Whether K and V go through tensor descriptors follows from what `exact` holds, beyond what Triton
             # specialises on (a stride's value), so it is part of the kind.
             tma = prefill.tma_ready(self.config, q, k, v)
-            kind = (self._plan_kind, *exact[:5], *(p % 16 == 0 for p in ptrs), *map(_specialised, ints), tma)
+            kind = (self._plan_kind, *exact[:len(tensors)], *(p % 16 == 0 for p in ptrs), *map(_specialised, ints),
+                    tma)
             kernels = _COMPILED.get(kind)
         try:
             if kernels is None:
-                kernels = self._through_triton(q, k, v, out, lse, scalars, tma)
+                kernels = self._through_triton(tensors, scalars, tma)
                 if not _KEEPS_KERNELS:
                     return
                 _COMPILED[kind] = kernels
@@ -498,13 +511,14 @@ class Launch:
         tensor descriptors, nothing for the others."""
         return prefill.descriptor_scratch(self.scratch) if descriptors else contextlib.nullcontext()
 
-    def _through_triton(self, q, k, v, out, lse, scalars, tma: bool) -> list:
-        """Launch each pass through Triton's JIT (the item kernel with tensor descriptors when ``tma``); its compiled
-        kernels' launchers, each with its constexpr values and whether it makes tensor descriptors."""
-        call = call_args(q, k, v, out, lse, self.config, scalars)
+    def _through_triton(self, tensors, scalars, tma: bool) -> list:
+        """Launch each pass through Triton's JIT on the call's ``tensors`` (as :func:`call_args` takes them; the item
+        kernel with tensor descriptors when ``tma``); its compiled kernels' launchers, each with its constexpr
+        values and whether it makes tensor descriptors."""
+        call = call_args(*tensors, self.config, scalars)
         kernels = []
         with interpreter_turn():
-            for fn, grid, tail in passes(self.config, q.dtype, self.item_capacity, tma):
+            for fn, grid, tail in passes(self.config, tensors[0].dtype, self.item_capacity, tma):
                 descriptors = bool(tail.get("TMA"))
                 with self._scratch_turn(descriptors):
                     kernel = fn[grid](*call, *self.plan, **tail, num_warps=self.config.num_warps,

@@ -37,6 +37,19 @@ def merge_pair(o_a, lse_a, o_b, lse_b):  # o_a, o_b [BLOCK_M, BLOCK_D] f32; lse_
 
 
 @triton.jit
+def fold_prior(prior_o, prior_lse, rows, head, valid, d, o, lse,  # rows, head, valid [BLOCK_M]; o [M, BLOCK_D]
+               num_heads, HEAD_DIM: tl.constexpr):
+    """``prior ⊕ (o, lse)`` for a tile's query rows ``rows`` of heads ``head``: ``prior_o [nnz_qo, num_heads,
+    HEAD_DIM]`` and ``prior_lse [nnz_qo, num_heads]`` (contiguous) hold an earlier level's state of the same
+    rows (a Cascade's levels, folded in level order as ``api._merge_levels`` folds them)."""
+    at = rows.to(tl.int64) * num_heads + head
+    o_prior = tl.load(prior_o + at[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None] & (d[None, :] < HEAD_DIM),
+                      other=0.0)
+    lse_prior = tl.load(prior_lse + at, mask=valid, other=float("-inf"))
+    return merge_pair(o_prior.to(tl.float32), lse_prior, o, lse)
+
+
+@triton.jit
 def _load_partial(part_o, part_lse, first_row, row, head, valid, d,  # row, head, valid [BLOCK_M]; d [BLOCK_D]
                   stride_pn, stride_ph, stride_ln, stride_lh, HEAD_DIM: tl.constexpr):
     r = (first_row + row).to(tl.int64)

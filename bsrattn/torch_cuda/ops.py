@@ -5,7 +5,7 @@ fullgraph=True)`` traces a function calling them without a graph break and witho
 
 | op | what it does |
 |---|---|
-| ``bsrattn::attention_run`` | the persistent kernel over a plan's buffers; writes ``out``/``lse`` (and the workspace) in place |
+| ``bsrattn::attention_run`` | the persistent kernel over a plan's buffers, an earlier level's state folded in or not; writes ``out``/``lse`` (and the workspace) in place |
 | ``bsrattn::merge_state`` | ``(o_a, lse_a) ⊕ (o_b, lse_b)`` |
 | ``bsrattn::merge_states`` | fold ``[n, S, H, D]`` states over ``S`` in order |
 | ``bsrattn::add_states`` | ``o_a + o_b`` (FlashSigmoid's merge) |
@@ -52,15 +52,18 @@ class _BufferView:
 
 @torch.library.custom_op("bsrattn::attention_run", mutates_args=("out", "lse", "part_o", "part_lse", "sync"))
 def attention_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  plan: torch.Tensor, mask: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
-                  sync: torch.Tensor, sections: list[int], config: list[int], scalars: list[float]) -> None:
-    """Run the persistent attention kernel; ``out [nnz_qo, Hq, D]`` and ``lse [nnz_qo, Hq]`` are written in place."""
+                  prior_o: torch.Tensor, prior_lse: torch.Tensor, plan: torch.Tensor, mask: torch.Tensor,
+                  part_o: torch.Tensor, part_lse: torch.Tensor, sync: torch.Tensor, sections: list[int],
+                  config: list[int], scalars: list[float]) -> None:
+    """Run the persistent attention kernel; ``out [nnz_qo, Hq, D]`` and ``lse [nnz_qo, Hq]`` are written in place,
+    ``(prior_o, prior_lse)`` folded into them first where the configuration's ``prior`` says so."""
     buffers = _BufferView(plan, mask, part_o, part_lse, sync, sections)
-    executor.launch(q, k, v, out, lse, buffers, LaunchConfig.from_list(config), Scalars(*scalars))
+    executor.launch(q, k, v, out, lse, prior_o, prior_lse, buffers, LaunchConfig.from_list(config),
+                    Scalars(*scalars))
 
 
 @attention_run.register_fake
-def _(q, k, v, out, lse, plan, mask, part_o, part_lse, sync, sections, config, scalars):
+def _(q, k, v, out, lse, prior_o, prior_lse, plan, mask, part_o, part_lse, sync, sections, config, scalars):
     return None
 
 

@@ -229,6 +229,8 @@ class PlanBuffers:
                                 device=device)
         # Stands in for lse when the caller wants none: a launch always gets a tensor there.
         self.no_lse = torch.empty((1, 1), dtype=torch.float32, device=device)
+        # Stands in for the prior state of a call that folds none (executor.call_args).
+        self.no_prior = torch.empty((1, 1), dtype=torch.float32, device=device)
         self.launches = {}  # LaunchConfig -> the executor's Launch bound to these buffers (runner.py)
         self.captured = False  # whether a CUDA graph capture has launched on these buffers (runner.py)
         self.captured_without_merges = False  # whether such a launch's kernel carried no merges (runner.py)

@@ -55,7 +55,7 @@ from bsrattn.torch_cuda.config import PREFILL_TMA
 from bsrattn.torch_cuda.gather import block_size_constexpr, kv_strides
 from bsrattn.torch_cuda.indexing import _BLOCK_START, _FIRST_SLOT, _KV_END, _KV_LEN, _KV_START, _MERGE, _PARTIAL, \
     _PARTS_HI, _PARTS_LO, _QO_END, _QO_FIRST, _QO_LEN, _QO_START, _STRIDE, query_position, tile_head, tile_query
-from bsrattn.torch_cuda.merge import fold_partials, last_to_arrive
+from bsrattn.torch_cuda.merge import fold_partials, fold_prior, last_to_arrive
 from bsrattn.torch_cuda.microkernel import store_state
 
 
@@ -112,6 +112,7 @@ def _attend_gathered(q, q_pos, q_local, valid_m, k_head, v_head, kv_indices, row
 def prefill_attention(
         # The arguments of executor.persistent_attention, in its order (one launcher call serves both kernels).
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q, out [nnz_qo, Hq, D]; k, v: storage view; lse [nnz_qo, Hq]
+        prior_o, prior_lse,  # PRIOR: an earlier level's state, folded into every output row
         stride_qn, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
@@ -126,7 +127,8 @@ def prefill_attention(
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, STORE_LSE: tl.constexpr, DENSE_ROWS: tl.constexpr,
-        PRECISION: tl.constexpr, NUM_CTAS: tl.constexpr, TMA: tl.constexpr, MERGES: tl.constexpr):
+        PRECISION: tl.constexpr, NUM_CTAS: tl.constexpr, TMA: tl.constexpr, MERGES: tl.constexpr,
+        PRIOR: tl.constexpr):
     # Split items and hidden keys are never planned together here (config.prefill_kernel): a split item whose
     # state came out non-finite would need the merge flags of the persistent kernel's second launch.
     tl.static_assert(not (MERGES and CAUSAL))
@@ -189,6 +191,9 @@ def prefill_attention(
         if redo:
             tl.store(item_flags + w * num_kv_heads + kv_head, 1)
         elif partial < 0:
+            if PRIOR:
+                o, lse = fold_prior(prior_o, prior_lse, qo_start + rel, head, valid_m, d, o, lse,
+                                    num_kv_heads * GROUP, HEAD_DIM)
             store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
                         stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
         else:
@@ -202,6 +207,9 @@ def prefill_attention(
             if last_to_arrive(sync + merge * num_kv_heads + kv_head, parts_hi - parts_lo):
                 o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head, valid_m, d,
                                        stride_pn, stride_ph, stride_pln, stride_plh, HEAD_DIM, False)
+                if PRIOR:
+                    o, lse = fold_prior(prior_o, prior_lse, qo_start + rel, head, valid_m, d, o, lse,
+                                        num_kv_heads * GROUP, HEAD_DIM)
                 store_state(out_ptr, lse_ptr, qo_start + rel, head, valid_m, d, o, lse, stride_on, stride_oh,
                             stride_od, stride_ln, stride_lh, HEAD_DIM, STORE_LSE)
 
@@ -213,7 +221,7 @@ def constexprs(config, q_dtype, tma: bool) -> dict:
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d, CAUSAL=config.causal,
                 SOFT_CAP=config.soft_cap, STORE_LSE=config.store_lse, DENSE_ROWS=config.dense_rows,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32", NUM_CTAS=config.num_ctas, TMA=tma,
-                MERGES=config.merges)
+                MERGES=config.merges, PRIOR=config.prior)
 
 
 def tma_ready(config, q, k, v) -> bool:

@@ -96,9 +96,9 @@ class Runner:
         self._unit_scales = cfg.Scalars(spec.sm_scale, 1.0, float(spec.variant.logits_soft_cap),
                                         float(spec.variant.sigmoid_bias or 0.0))
 
-    def launch_config(self, q_dtype: str, kv_view: str, store_lse: bool) -> cfg.LaunchConfig:
-        """The launch configuration for inputs of ``q_dtype`` stored as ``kv_view``."""
-        key = (q_dtype, kv_view, store_lse)
+    def launch_config(self, q_dtype: str, kv_view: str, store_lse: bool, prior: bool = False) -> cfg.LaunchConfig:
+        """The launch configuration for inputs of ``q_dtype`` stored as ``kv_view``, folding a prior state or not."""
+        key = (q_dtype, kv_view, store_lse, prior)
         if key not in self._configs:
             spec, variant = self.spec, self.spec.variant
             busy = int(np.count_nonzero(np.diff(self.work_plan.cta_indptr))) * spec.num_kv_heads  # programs with work
@@ -113,7 +113,8 @@ class Runner:
                 sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
                 store_lse=store_lse, dense_rows=self.dense_rows,
                 merges=self.work_plan.num_merges > 0 or spec.split_size is not None,
-                prefill=cfg.prefill_kernel(spec, self.work_plan, q_dtype, self.dense_rows), grid=spec.split_size or 0)
+                prefill=cfg.prefill_kernel(spec, self.work_plan, q_dtype, self.dense_rows), grid=spec.split_size or 0,
+                prior=prior)
         return self._configs[key]
 
     def _launch(self, key) -> executor.Launch:
@@ -128,20 +129,25 @@ class Runner:
             self._launches[key] = launch
         return launch
 
-    def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
+    def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None, prior=None):
         """Attention of the plan on ``q [nnz_qo, Hq, D]``, ``k``/``v`` (a storage view); returns ``(out, lse or None)``.
 
         Inputs are torch tensors on this runner's device, or NumPy arrays (moved there; the results then
-        come back as NumPy). ``out``/``lse`` buffers are written in place and returned. Called eagerly, the
-        kernel is launched through the buffers' :class:`~bsrattn.torch_cuda.executor.Launch`; traced by
-        ``torch.compile``, through the custom op (:mod:`bsrattn.torch_cuda.ops`).
+        come back as NumPy). ``out``/``lse`` buffers are written in place and returned. ``prior``, a state
+        ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` of the same query rows (an earlier Cascade level's), is folded
+        in by the kernel: the result is ``prior ⊕`` this plan's state, as ``merge_state`` would give it, with no
+        launch of its own. Called eagerly, the kernel is launched through the buffers'
+        :class:`~bsrattn.torch_cuda.executor.Launch`; traced by ``torch.compile``, through the custom op
+        (:mod:`bsrattn.torch_cuda.ops`).
         """
         as_numpy = not isinstance(q, torch.Tensor)
         q_t, k_t, v_t = to_torch("q", q, self.device), to_torch("k", k, self.device), to_torch("v", v, self.device)
         key, scalars, want_lse = self._prepare(q_t, k_t, out, lse, return_lse, k_scale, v_scale)
+        if prior is not None:
+            key, prior = (*key[:3], True), self._prior(prior, q_t.shape)
         out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
         lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
-        self._launch_on(key, q_t, k_t, v_t, out_t, lse_t, scalars)
+        self._launch_on(key, q_t, k_t, v_t, out_t, lse_t, scalars, prior)
         if as_numpy:
             o = write_back(out, out_t) if out is not None else to_numpy(out_t)
             s = None if lse_t is None else (write_back(lse, lse_t) if lse is not None else to_numpy(lse_t))
@@ -197,23 +203,38 @@ class Runner:
         if k_scale is not None or v_scale is not None:
             scalars = scalars._replace(qk_scale=spec.sm_scale * (1.0 if k_scale is None else float(k_scale)),
                                        v_scale=1.0 if v_scale is None else float(v_scale))
-        return (q_dtype, spec.kv_view_of(k_t), want_lse), scalars, want_lse
+        return (q_dtype, spec.kv_view_of(k_t), want_lse, False), scalars, want_lse
 
-    def _launch_on(self, key, q, k, v, out, lse, scalars):
+    def _prior(self, prior, shape) -> tuple:
+        """``run``'s ``prior`` as the kernel reads it: contiguous tensors on this runner's device, ``o`` of the
+        queries' shape and ``lse`` float32 of their rows x heads."""
+        if not isinstance(prior, tuple) or len(prior) != 2:
+            raise TypeError(f"prior must be a state (o, lse), got {type(prior).__name__}")
+        o, s = to_torch("prior o", prior[0], self.device), to_torch("prior lse", prior[1], self.device)
+        if tuple(o.shape) != tuple(shape) or tuple(s.shape) != tuple(shape[:2]):
+            raise ValueError(f"prior must be o {tuple(shape)} and lse {tuple(shape[:2])} (the queries' rows and "
+                             f"heads), got {tuple(o.shape)} and {tuple(s.shape)}")
+        if not o.is_floating_point():
+            raise TypeError(f"prior o has dtype {dtype_name(o)}; a state's o is floating point")
+        return o.contiguous(), s.to(torch.float32).contiguous()
+
+    def _launch_on(self, key, q, k, v, out, lse, scalars, prior=None):
         """Launch configuration ``key`` (as :meth:`_prepare` gives it) on the call's tensors, or put the custom op
         in the graph that ``torch.compile`` traces."""
         b = self.buffers
         lse_arg = b.no_lse if lse is None else lse
+        prior_o, prior_lse = (b.no_prior, b.no_prior) if prior is None else prior
         if torch.compiler.is_compiling():  # traced: the compiled graph orders its launches
-            torch.ops.bsrattn.attention_run(q, k, v, out, lse_arg, b.plan, b.mask, b.part_o, b.part_lse, b.sync,
-                                            b.sections, self.launch_config(*key).to_list(), list(scalars))
+            torch.ops.bsrattn.attention_run(q, k, v, out, lse_arg, prior_o, prior_lse, b.plan, b.mask, b.part_o,
+                                            b.part_lse, b.sync, b.sections, self.launch_config(*key).to_list(),
+                                            list(scalars))
             return
         launch = self._launch(key)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             b.captured = True  # a later re-plan checks it keeps what the graph recorded
             b.captured_without_merges |= not launch.config.merges
         with b.ordered() as stream:
-            launch(q, k, v, out, lse_arg, scalars, stream)
+            launch(q, k, v, out, lse_arg, prior_o, prior_lse, scalars, stream)
 
     def _output(self, name, given, as_numpy, shape, dtype):
         """The tensor the kernel writes ``name`` into: the caller's tensor, or a new one."""
@@ -282,8 +303,9 @@ def _give_back(buffers):
 _kept = {}  # PlanBuffers.shape_key -> the Runner of the last one-shot call, for a next call of the same spec
 
 
-def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
-    """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once.
+def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None, prior=None):
+    """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once (``prior``: a
+    state folded in, as :meth:`Runner.run` takes it).
 
     The runner of the last call of the same heads, head_dim and device is kept: a call of the same spec (the
     same layout object, heads, variant, dtypes and view, as a model's layers make with one layout in a step)
@@ -308,7 +330,8 @@ def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=No
                                                    shape_key)
         runner = Runner(spec, work_plan, device, spare, headroom=False)
     try:
-        return runner.run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+        return runner.run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
+                          prior=prior)
     finally:
         if not capturing:
             earlier = _kept.pop(shape_key, None)  # a call that ran meanwhile kept its own
