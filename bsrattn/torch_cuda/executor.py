@@ -13,7 +13,8 @@ num_kv_heads)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for KV
    RoPE the tile's queries are loaded in two halves (dims ``[0, D/2)`` and ``[D/2, D)``) and turned once per
    tile (:func:`~bsrattn.torch_cuda.microkernel.rope_turn`) at their positions in the plan's ``rope_q``
    section, and every K tile at its slots' positions plus the item's ``rope_offset`` (a Cascade's later levels).
-4. An unsplit item writes the output and LSE. A split item writes its partial state to its fixed
+4. An unsplit item writes the output and LSE (with ``PRIOR``, an earlier Cascade level's state folded in first,
+   as into a merge's output). A split item writes its partial state to its fixed
    workspace rows, then bumps its tile's integer counter (acquire-release, GPU scope); the program whose
    bump completes the count is the last to finish, and it folds the tile's partial states **in the plan's
    order** (:func:`~bsrattn.torch_cuda.merge.fold_partials`) into the output. Which program merges depends
@@ -93,6 +94,12 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
     -> item kernel: W5's suffix level (8 items of 256 slots a CTA) 111.2 -> 50.7 us, its prefix level over 8k /
     32k keys 76.2 -> 67.8 / 181.1 -> 163.3 us. The item kernel loses on long items (W2 1 x 16384 42.4 against
     52.5 us, 64 x 4096 273.9 against 330.0), which stay here.
+
+16. ``4ac8e4f`` a Cascade's last level folds the levels before it into every row it writes out (``PRIOR``:
+    :func:`~bsrattn.torch_cuda.merge.fold_prior` before an unsplit item's store and a merge's, here and in the
+    item kernel), in place of a merge launch and a copy after the levels. Prediction: the merge's 6.6 us of W5.
+    Measured in the suite (W5, whole cascade): 53.7 / 147.0 / 244.5 -> 51.1 / 146.9 / 243.8 us at 1k x 16 /
+    8k x 64 / 32k x 64; 2.6 us at the smallest, within a run's spread at the others.
 
 Fused RoPE (``330c3c6``, ``3d9e593``) costs 3-4x at both shapes (W10: its angles are computed per K element
 per query tile).
