@@ -309,9 +309,8 @@ def call_args(q, k, v, out, lse, prior_o, prior_lse, config, scalars) -> tuple:
     devices are the caller's to check.
     """
     return (q, k, v, out, lse, prior_o, prior_lse, *q.stride(), *kv_strides(k, config.kv_view),
-            *kv_strides(v, config.kv_view),
-            *out.stride(), *lse.stride(), config.block_size, scalars.qk_scale, scalars.v_scale, scalars.soft_cap,
-            scalars.sigmoid_bias)
+            *kv_strides(v, config.kv_view), *out.stride(), *lse.stride(), config.block_size, scalars.qk_scale,
+            scalars.v_scale, scalars.soft_cap, scalars.sigmoid_bias)
 
 
 def constexpr_names(kernel) -> tuple:
@@ -476,22 +475,22 @@ class Launch:
         """Launch each pass on the call's tensors (as :func:`call_args` takes them), on ``stream`` (a raw CUDA stream
         handle; None: the current stream, which Triton then reads itself)."""
         view = self.config.kv_view
-        tensors = (q, k, v, out, lse, prior_o, prior_lse)
-        ptrs = tuple(x.data_ptr() for x in tensors)
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), prior_o.data_ptr(),
+                prior_lse.data_ptr())
         ints = (*q.stride(), *kv_strides(k, view), *kv_strides(v, view), *out.stride(), *lse.stride(),
                 self.config.block_size)
-        exact = (*(x.dtype for x in tensors), *(p % 16 for p in ptrs), *ints)
+        exact = (q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, prior_o.dtype, prior_lse.dtype,
+                 *(p % 16 for p in ptrs), *ints)
         last, kernels = self._last
         if last != exact:
             # Whether K and V go through tensor descriptors follows from what `exact` holds, beyond what Triton
             # specialises on (a stride's value), so it is part of the kind.
             tma = prefill.tma_ready(self.config, q, k, v)
-            kind = (self._plan_kind, *exact[:len(tensors)], *(p % 16 == 0 for p in ptrs), *map(_specialised, ints),
-                    tma)
+            kind = (self._plan_kind, *exact[:7], *(p % 16 == 0 for p in ptrs), *map(_specialised, ints), tma)
             kernels = _COMPILED.get(kind)
         try:
             if kernels is None:
-                kernels = self._through_triton(tensors, scalars, tma)
+                kernels = self._through_triton((q, k, v, out, lse, prior_o, prior_lse), scalars, tma)
                 if not _KEEPS_KERNELS:
                     return
                 _COMPILED[kind] = kernels
