@@ -188,16 +188,20 @@ MUTANTS = (
            ("tests/test_torch_tier.py::test_kept_kernels_go_through_triton_while_a_launch_hook_is_set",)),
     Mutant("a cascade's prior state left out of a whole row, persistent kernel", "bsrattn/torch_cuda/executor.py",
            "            if partial < 0:\n                if PRIOR:", "            if partial < 0:\n                if False:",
-           ("tests/test_torch_tier.py::test_a_cascades_last_level_folds_the_levels_before_it[whole rows-persistent]",)),
+           ("tests/test_torch_tier.py::"
+            "test_a_cascades_last_level_folds_the_levels_before_it[whole rows-persistent]",)),
     Mutant("a cascade's prior state left out of a merged row, persistent kernel", "bsrattn/torch_cuda/executor.py",
            "                    if PRIOR:", "                    if False:",
-           ("tests/test_torch_tier.py::test_a_cascades_last_level_folds_the_levels_before_it[split rows-persistent]",)),
+           ("tests/test_torch_tier.py::"
+            "test_a_cascades_last_level_folds_the_levels_before_it[split rows-persistent]",)),
     Mutant("a cascade's prior state left out of a whole row, item kernel", "bsrattn/torch_cuda/prefill.py",
            "        elif partial < 0:\n            if PRIOR:", "        elif partial < 0:\n            if False:",
-           ("tests/test_torch_tier.py::test_a_cascades_last_level_folds_the_levels_before_it[whole rows-items]",)),
+           ("tests/test_torch_tier.py::"
+            "test_a_cascades_last_level_folds_the_levels_before_it[whole rows-items]",)),
     Mutant("a cascade's prior state left out of a merged row, item kernel", "bsrattn/torch_cuda/prefill.py",
            "                if PRIOR:", "                if False:",
-           ("tests/test_torch_tier.py::test_a_cascades_last_level_folds_the_levels_before_it[split rows-items]",)),
+           ("tests/test_torch_tier.py::"
+            "test_a_cascades_last_level_folds_the_levels_before_it[split rows-items]",)),
     Mutant("a cascade's last level run without the levels before it", "bsrattn/api.py",
            "return run_level(num_levels - 1, out=out, lse=lse, return_lse=return_lse, prior=prior)",
            "return run_level(num_levels - 1, out=out, lse=lse, return_lse=return_lse)",

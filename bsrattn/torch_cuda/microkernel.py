@@ -24,10 +24,25 @@ import triton
 import triton.language as tl
 
 from bsrattn.torch_cuda import gather
+from bsrattn.torch_cuda.config import interpreting
 from bsrattn.torch_cuda.indexing import key_visible, mask_offset
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+ORDERED_DOTS = tl.constexpr(interpreting())
+"""Whether deterministic mode's dots are summed over ``k`` in order (:func:`dot`): under the Triton interpreter,
+whose ``tl.dot`` is NumPy's ``matmul``. A BLAS may round a row of a product differently with the number of rows
+around it (on an AVX-512 host, 1400 of 1600 row slices of float32 products of tile shapes differed from the same
+rows of a taller product), where the tensor cores' dots do not (``LaunchConfig.deterministic``)."""
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, DETERMINISTIC: tl.constexpr):  # a [M, K]; b [K, N]
+    """``a @ b`` in float32: ``tl.dot``, or in deterministic mode under the interpreter the products summed over
+    ``k`` in order (:data:`ORDERED_DOTS`), so that a row's bits do not depend on the tile's rows there either."""
+    if DETERMINISTIC and ORDERED_DOTS:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -52,16 +67,17 @@ def rope_turn(lo, hi, pos, freq, dtype: tl.constexpr):  # lo, hi [R, BLOCK_H]; p
 
 @triton.jit
 def scores(q, k, q2, k2, q_pos, k_pos, slopes, qk_scale, soft_cap,  # q [BLOCK_M, D]; k [BLOCK_N, D]; slopes [M]
-           SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr):
+           SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
+           DETERMINISTIC: tl.constexpr = False):
     """``[BLOCK_M, BLOCK_N]`` transformed scores times ``log2(e)`` (reference ``scores``, base 2).
 
     ``s = qk_scale * q.k``; soft cap ``cap * tanh(s / cap)``; ALiBi ``+ slope * (k_pos - q_pos)``. With ``ROPE``,
     ``q``/``k`` are the turned first halves and ``q2``/``k2`` the second (:func:`rope_turn`), and ``q.k`` is the
     sum of the two halves' products.
     """
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = dot(q, tl.trans(k), PRECISION, DETERMINISTIC)
     if ROPE:
-        s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+        s += dot(q2, tl.trans(k2), PRECISION, DETERMINISTIC)
     if SOFT_CAP or ALIBI:
         s = s * qk_scale
         if SOFT_CAP:
@@ -112,10 +128,10 @@ def softmax_update(acc, m_i, l_i, s, vis, v,  # acc [BLOCK_M, D] f32; m_i, l_i [
     if DETERMINISTIC:
         # Every column of p @ 1 is the row's sum; their max is that sum exactly.
         ones = tl.full([s.shape[1], 16], 1.0, v.dtype)
-        l_i = l_i * alpha + tl.max(tl.dot(weights, ones, input_precision=PRECISION), 1)
+        l_i = l_i * alpha + tl.max(dot(weights, ones, PRECISION, DETERMINISTIC), 1)
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + dot(weights, v, PRECISION, DETERMINISTIC)
     return acc, m_new, l_i
 
 
@@ -190,7 +206,7 @@ def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_
     else:
         k = gather.load_tile(k_head, k_off, valid_n, d, stride_kd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
         k2 = k
-    s = scores(q, k, q2, k2, q_pos, k_pos, slopes, qk_scale, soft_cap, SOFT_CAP, ALIBI, ROPE, PRECISION)
+    s = scores(q, k, q2, k2, q_pos, k_pos, slopes, qk_scale, soft_cap, SOFT_CAP, ALIBI, ROPE, PRECISION, DETERMINISTIC)
     vis = valid_n[None, :]
     if MASKED:
         vis = visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_ptr, mask_start,
