@@ -263,7 +263,7 @@ MUTANTS = (
     Mutant("online softmax without the rescale: numba accumulator", "bsrattn/numba_cuda/microkernel.py",
            "a, j = (acc[n] if sigmoid else acc[n] * alpha[i]), 0", "a, j = acc[n], 0", NUMBA),
     Mutant("online softmax without the rescale: torch accumulator", "bsrattn/torch_cuda/microkernel.py",
-           "acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(", TORCH),
+           "acc = acc * alpha[:, None] + dot(", "acc = acc + dot(", TORCH),
     # masks and positions
     Mutant("causal off by one: k_pos < q_pos", "bsrattn/indexing.py",
            "((k_pos <= q_pos) | (not causal))", "((k_pos < q_pos) | (not causal))", REFERENCE),
