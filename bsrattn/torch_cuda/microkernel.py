@@ -30,16 +30,17 @@ from bsrattn.torch_cuda.indexing import key_visible, mask_offset
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 ORDERED_DOTS = tl.constexpr(interpreting())
-"""Whether deterministic mode's dots are summed over ``k`` in order (:func:`dot`): under the Triton interpreter,
-whose ``tl.dot`` is NumPy's ``matmul``. A BLAS may round a row of a product differently with the number of rows
+"""Whether deterministic mode's dots are the products reduced over ``k`` (:func:`dot`): under the Triton
+interpreter, whose ``tl.dot`` is NumPy's ``matmul``. A BLAS may round a row of a product differently with the number of rows
 around it (on an AVX-512 host, 1400 of 1600 row slices of float32 products of tile shapes differed from the same
 rows of a taller product), where the tensor cores' dots do not (``LaunchConfig.deterministic``)."""
 
 
 @triton.jit
 def dot(a, b, PRECISION: tl.constexpr, DETERMINISTIC: tl.constexpr):  # a [M, K]; b [K, N]
-    """``a @ b`` in float32: ``tl.dot``, or in deterministic mode under the interpreter the products summed over
-    ``k`` in order (:data:`ORDERED_DOTS`), so that a row's bits do not depend on the tile's rows there either."""
+    """``a @ b`` in float32: ``tl.dot``, or in deterministic mode under the interpreter the products reduced over
+    ``k`` (:data:`ORDERED_DOTS`), one element at a time whatever the tile's rows, so that a row's bits do not depend
+    on them there either."""
     if DETERMINISTIC and ORDERED_DOTS:
         return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
     return tl.dot(a, b, input_precision=PRECISION)
