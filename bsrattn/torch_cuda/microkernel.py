@@ -31,9 +31,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 ORDERED_DOTS = tl.constexpr(interpreting())
 """Whether deterministic mode's dots are the products reduced over ``k`` (:func:`dot`): under the Triton
-interpreter, whose ``tl.dot`` is NumPy's ``matmul``. A BLAS may round a row of a product differently with the number of rows
-around it (on an AVX-512 host, 1400 of 1600 row slices of float32 products of tile shapes differed from the same
-rows of a taller product), where the tensor cores' dots do not (``LaunchConfig.deterministic``)."""
+interpreter, whose ``tl.dot`` is NumPy's ``matmul``. A BLAS may round a row of a product differently with the
+number of rows around it (on an AVX-512 host, 1400 of 1600 row slices of float32 products of tile shapes differed
+from the same rows of a taller product), where the tensor cores' dots do not (``LaunchConfig.deterministic``)."""
 
 
 @triton.jit

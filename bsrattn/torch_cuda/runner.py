@@ -142,9 +142,9 @@ class Runner:
         """
         as_numpy = not isinstance(q, torch.Tensor)
         q_t, k_t, v_t = to_torch("q", q, self.device), to_torch("k", k, self.device), to_torch("v", v, self.device)
-        key, scalars, want_lse = self._prepare(q_t, k_t, out, lse, return_lse, k_scale, v_scale)
+        key, scalars, want_lse = self._prepare(q_t, k_t, out, lse, return_lse, k_scale, v_scale, prior is not None)
         if prior is not None:
-            key, prior = (*key[:3], True), self._prior(prior, q_t.shape)
+            prior = self._prior(prior, q_t.shape)
         out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
         lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
         self._launch_on(key, q_t, k_t, v_t, out_t, lse_t, scalars, prior)
@@ -188,9 +188,10 @@ class Runner:
 
         return call
 
-    def _prepare(self, q_t, k_t, out, lse, return_lse, k_scale, v_scale):
-        """``(key, scalars, want_lse)`` of a call: ``key`` its launch configuration's (as :meth:`launch_config` takes
-        it), ``scalars`` its :class:`~bsrattn.torch_cuda.config.Scalars`, ``want_lse`` whether it writes an LSE."""
+    def _prepare(self, q_t, k_t, out, lse, return_lse, k_scale, v_scale, prior=False):
+        """``(key, scalars, want_lse)`` of a call (folding a prior state or not): ``key`` its launch configuration's
+        (as :meth:`launch_config` takes it), ``scalars`` its :class:`~bsrattn.torch_cuda.config.Scalars`,
+        ``want_lse`` whether it writes an LSE."""
         spec = self.spec
         q_dtype = dtype_name(q_t)
         for name, dtype in (("q", q_dtype), ("k", dtype_name(k_t))):
@@ -203,7 +204,7 @@ class Runner:
         if k_scale is not None or v_scale is not None:
             scalars = scalars._replace(qk_scale=spec.sm_scale * (1.0 if k_scale is None else float(k_scale)),
                                        v_scale=1.0 if v_scale is None else float(v_scale))
-        return (q_dtype, spec.kv_view_of(k_t), want_lse, False), scalars, want_lse
+        return (q_dtype, spec.kv_view_of(k_t), want_lse, prior), scalars, want_lse
 
     def _prior(self, prior, shape) -> tuple:
         """``run``'s ``prior`` as the kernel reads it: contiguous tensors on this runner's device, ``o`` of the
