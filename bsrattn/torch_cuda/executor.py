@@ -72,9 +72,10 @@ Decode: W1 Quest 32k at 64 / 512 pages a head; prefill: W3 bf16 causal 16 x 1024
     the item's in registers (``GRID``), so only the cuts the batch needs write partial states; a row's first
     item covers the normal plan's chunk rounded onto the grid, the rest one chunk each (an exact left fold).
     W4 1.09x / 1.10x / 1.03x / 1.08x the normal call at batch 1 / 8 / 32 / 256 with every item several
-    chunks (``bb2f3d6``, whose merge regrouped the fold); the shipped plan not yet measured. W3 1.19-1.29x.
-    Tried: the fold inside the tile loops, pipelined across a chunk's end: the decode tile spills (255
-    registers + 208 bytes), 1.04x / 1.33x / 1.26x / 1.07x.
+    chunks (``bb2f3d6``, whose merge regrouped the fold); the shipped plan 1.10x / 1.21x / 1.04x / 1.06-1.15x
+    (``5b2fd14``). W3 1.19-1.29x. Tried: the fold inside the tile loops, pipelined across a chunk's end: the
+    decode tile spills (255 registers + 208 bytes), 1.04x / 1.33x / 1.26x / 1.07x. At batch 256 the cost is the
+    restart at each chunk: with one chunk a row the same kernel runs at the normal call's speed.
 
 12. ``536d2e9`` plans that split no row, with at most a causal mask and a soft cap, run the item kernel of
     :mod:`~bsrattn.torch_cuda.prefill` instead (one program per item; tensor descriptors for the dense rows of
