@@ -129,6 +129,9 @@ class Backend:
         (out, lse)
             ``lse`` is None unless ``return_lse``.
         """
+        if prior is not None and not self.folds_prior:
+            raise ValueError(f"prior: the {self.name!r} tier's kernel folds no prior state; run without it and fold "
+                             f"the states with merge_state")
         folded = {} if prior is None else {"prior": prior}  # a tier that folds none takes no such argument
         return self.module.attention(spec, q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale,
                                      v_scale=v_scale, **folded)

@@ -162,6 +162,15 @@ def test_backend_exposes_exactly_the_tier_functions():
     assert not ba.get_backend("reference").folds_prior
 
 
+def test_a_prior_state_on_a_tier_that_folds_none_is_refused_by_name():
+    be = ba.get_backend("reference")
+    q, kv = np.zeros((1, 2, 8), np.float32), np.zeros((4, 2, 8), np.float32)
+    spec = ba.validation.spec_from_inputs(q, kv, kv, ba.layouts.ragged([1], [4]), ba.Variant(), "NHD")
+    assert np.array_equal(be.attention(spec, q, kv, kv)[0], q)  # the call itself is fine without it
+    with pytest.raises(ValueError, match="prior: the 'reference' tier's kernel folds no prior state"):
+        be.attention(spec, q, kv, kv, prior=(q, np.zeros((1, 2), np.float32)))
+
+
 @pytest.mark.parametrize("tier", sorted(backends.REGISTRY))
 def test_each_tier_that_loads_provides_every_tier_function(tier):
     try:

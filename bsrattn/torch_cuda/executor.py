@@ -306,8 +306,8 @@ def call_args(q, k, v, out, lse, prior_o, prior_lse, config, scalars) -> tuple:
 
     ``config`` is a :class:`~bsrattn.torch_cuda.config.LaunchConfig` and ``scalars`` a
     :class:`~bsrattn.torch_cuda.config.Scalars`; ``lse`` is the buffers' ``no_lse`` when ``config.store_lse``
-    is false, ``prior_o`` and ``prior_lse`` their ``no_prior`` when ``config.prior`` is. Shapes, dtypes and
-    devices are the caller's to check.
+    is false, ``prior_o`` and ``prior_lse`` their ``no_prior`` when ``config.prior`` is false. Shapes, dtypes
+    and devices are the caller's to check.
     """
     return (q, k, v, out, lse, prior_o, prior_lse, *q.stride(), *kv_strides(k, config.kv_view),
             *kv_strides(v, config.kv_view), *out.stride(), *lse.stride(), config.block_size, scalars.qk_scale,
@@ -348,8 +348,7 @@ def launch_args(q, k, v, out, lse, buffers, config, scalars, prior=None):
     keywords."""
     kwargs = dict(constexprs(config, q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
                   enable_fp_fusion=not config.deterministic)
-    prior_o, prior_lse = (buffers.no_prior, buffers.no_prior) if prior is None else prior
-    args = call_args(q, k, v, out, lse, prior_o, prior_lse, config, scalars) + plan_args(buffers, config)
+    args = call_args(q, k, v, out, lse, *buffers.prior_state(prior), config, scalars) + plan_args(buffers, config)
     return (config.num_ctas, config.num_kv_heads), args, kwargs
 
 

@@ -277,6 +277,11 @@ class PlanBuffers:
     def workspace_bytes(self) -> int:
         return (self.part_o.numel() + self.part_lse.numel()) * 4
 
+    def prior_state(self, prior) -> tuple:
+        """``(prior_o, prior_lse)`` as a launch takes them: ``prior``, or ``no_prior`` twice for a call that folds
+        none (:func:`~bsrattn.torch_cuda.executor.call_args`)."""
+        return (self.no_prior, self.no_prior) if prior is None else prior
+
     def section(self, name: str) -> torch.Tensor:
         at, size = self.offsets[name]
         return self.plan[at:at + max(size, 1)]

@@ -224,7 +224,7 @@ class Runner:
         in the graph that ``torch.compile`` traces."""
         b = self.buffers
         lse_arg = b.no_lse if lse is None else lse
-        prior_o, prior_lse = (b.no_prior, b.no_prior) if prior is None else prior
+        prior_o, prior_lse = b.prior_state(prior)
         if torch.compiler.is_compiling():  # traced: the compiled graph orders its launches
             torch.ops.bsrattn.attention_run(q, k, v, out, lse_arg, prior_o, prior_lse, b.plan, b.mask, b.part_o,
                                             b.part_lse, b.sync, b.sections, self.launch_config(*key).to_list(),
