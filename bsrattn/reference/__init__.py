@@ -1,9 +1,11 @@
 """The reference tier: NumPy, float64 by default — the executable spec of every layout, plan and merge.
 
 Files match the other tiers': :mod:`.gather` (the load module), :mod:`.microkernel` (dense attention over
-a gathered tile), :mod:`.merge` (⊕), :mod:`.executor` (a plan run CTA by CTA), :mod:`.runner` (a plan bound
-to its spec, and the one-shot call), :mod:`.config` (plan options) and :mod:`.arrays` (array kinds in and
-out), plus :mod:`.attention` (row-by-row attention, the plainest statement of the result).
+a gathered tile: the formula, and its fast path), :mod:`.merge` (⊕), :mod:`.executor` (a plan run CTA by
+CTA), :mod:`.runner` (a plan bound to its spec, and the one-shot call), :mod:`.config` (plan options) and
+:mod:`.arrays` (array kinds in and out), plus :mod:`.rows` (row-by-row attention, the plainest statement of
+the result), :mod:`.deterministic` (deterministic mode's chunk grid) and :mod:`.progress` (progress reports
+of long calls).
 
 The entry points take NumPy arrays or torch tensors (on the CPU or a GPU) and return the kind they were
 given (:mod:`.arrays`).
@@ -15,7 +17,7 @@ import numpy as np
 
 from bsrattn.reference import merge
 from bsrattn.reference.arrays import host, is_torch, to_torch
-from bsrattn.reference.attention import attention_rows
+from bsrattn.reference.rows import attention_rows
 from bsrattn.reference.config import plan_options
 from bsrattn.reference.executor import execute
 from bsrattn.reference.gather import kv_as_slots

@@ -6,33 +6,22 @@ directly; then each merge list folds its partial states in the order the plan gi
 function of the inputs and the plan (no order depends on timing).
 
 An item's state is :func:`~bsrattn.reference.microkernel.attend_range`, the body the row-by-row
-:func:`~bsrattn.reference.attention.attention_rows` uses too: its KV range gathered once, its queries in
+:func:`~bsrattn.reference.rows.attention_rows` uses too: its KV range gathered once, its queries in
 tiles of bounded size that read only the keys they can see. Neither path holds a ``[Hq, qo_len, kv_len]``
 array for a whole row: for a 2048-token prefill that is gigabytes of float64, slow to fill and to reduce, and
-would make the row-by-row path slower than the executor's 16-query items.
+would make the row-by-row path slower than the executor's 16-query items. In deterministic mode an item's state
+is :func:`~bsrattn.reference.deterministic.grid_state` instead (:mod:`.deterministic`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from bsrattn.reference.attention import Progress
+from bsrattn.reference.deterministic import grid_state
 from bsrattn.reference.gather import kv_as_slots
 from bsrattn.reference.merge import merge_state, sum_states
-from bsrattn.reference.microkernel import attend_chunk, attend_range
-
-
-def grid_state(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_end, dtype=np.float64):
-    """Deterministic mode's state of an item: its KV in chunks of the grid (``spec.split_size``), each chunk's
-    state by :func:`~bsrattn.reference.microkernel.attend_chunk`, folded left to right with ⊕ (added, for
-    FlashSigmoid) — the states and the order of a plan that cuts the row at every grid point. (The torch tier's
-    plans hold several chunks per item, ``scheduler.plan``'s ``lead_items``; the others one.)"""
-    size = spec.split_size
-    (o, s), *rest = (attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, start, min(start + size, kv_end),
-                                  dtype) for start in range(kv_start, max(kv_end, kv_start + 1), size))
-    for o_c, s_c in rest:
-        o, s = (o + o_c, s) if spec.variant.use_sigmoid else merge_state(o, s, o_c, s_c)
-    return o, s
+from bsrattn.reference.microkernel import attend_range
+from bsrattn.reference.progress import Progress
 
 
 def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.float64):

@@ -1,13 +1,13 @@
 """A plan bound to its spec, run by :func:`~bsrattn.reference.executor.execute`; and the one-shot call.
 
-The one-shot :func:`attention` plans nothing: it is :func:`~bsrattn.reference.attention.attention_rows`, row by
+The one-shot :func:`attention` plans nothing: it is :func:`~bsrattn.reference.rows.attention_rows`, row by
 row, the plainest statement of the result.
 """
 
 from __future__ import annotations
 
 from bsrattn.reference.arrays import deliver, host
-from bsrattn.reference.attention import attention_rows
+from bsrattn.reference.rows import attention_rows
 from bsrattn.reference.executor import execute
 
 
