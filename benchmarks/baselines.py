@@ -11,7 +11,7 @@ variant's keywords on to ``plan`` (``logits_soft_cap``, ``window_left``, ``pos_e
 ``rope_scale``).
 
 FlashInfer compiles each kernel family the first time it is planned (JIT, ~13 s for decode, longer for
-prefill). ``python3 benchmarks/baselines.py prebuild [--quick]`` plans every family the suite uses on a tiny
+prefill). ``python3 -m benchmarks.baselines prebuild [--quick]`` plans every family the suite uses on a tiny
 problem, in the order the suite needs them; ``run_all.py`` starts it in a separate process so the builds
 overlap the first workloads (FlashInfer's file locks make the suite wait for a module still being built).
 """
@@ -23,12 +23,8 @@ import sys
 import time
 import warnings
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.harness import Unavailable  # noqa: E402  (sets FLASHINFER_CUDA_ARCH_LIST first)
+from benchmarks.harness import Unavailable  # sets FLASHINFER_CUDA_ARCH_LIST first
 
 WORKSPACE_BYTES = 256 << 20
 _workspace = {}

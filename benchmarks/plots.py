@@ -1,6 +1,6 @@
 """Plots of ``benchmarks/results/*.json``, drawn from the JSON alone (no GPU, no torch needed).
 
-``python3 benchmarks/plots.py [results_dir]`` writes ``<workload>.png`` beside each JSON file:
+``python3 -m benchmarks.plots [results_dir]`` writes ``<workload>.png`` beside each JSON file:
 
 - W1: latency against budget, one panel per seq_len, with the bound line;
 - W2: fraction of the copy-bandwidth bound achieved, per configuration;
@@ -18,13 +18,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks.records import RESULTS_DIR, config_label, load_results  # noqa: E402
-from benchmarks.report import NO_SPLIT  # noqa: E402
+from benchmarks.records import RESULTS_DIR, config_label, load_results
+from benchmarks.report import NO_SPLIT
 
 
 def _pyplot():

@@ -1,8 +1,8 @@
 """Run the benchmark suite with one command, then draw the plots and write the summary.
 
-    python3 benchmarks/run_all.py --quick              # every workload, few configurations (~14 minutes on the H200)
-    python3 benchmarks/run_all.py --only w1,w3          # selected workloads, full configurations
-    python3 benchmarks/run_all.py --only w7             # the CPU-only workload, anywhere
+    python3 -m benchmarks.run_all --quick              # every workload, few configurations (~14 minutes on the H200)
+    python3 -m benchmarks.run_all --only w1,w3          # selected workloads, full configurations
+    python3 -m benchmarks.run_all --only w7             # the CPU-only workload, anywhere
 
 Each workload runs in its own process (a CUDA error in one cannot poison the next), with a time budget after
 which it starts no new configuration and a hard timeout after that; its JSON is rewritten after every
@@ -26,12 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness, plots, records, report
 
-from benchmarks import harness, plots, records, report  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # where ``python -m benchmarks.<script>`` finds the package
 WORKLOADS = {"w1": "w1_quest_decode", "w2": "w2_paged_decode", "w3": "w3_prefill", "w4": "w4_split_kv",
              "w5": "w5_cascade", "w6": "w6_plan_host", "w7": "w7_cpu_models", "w8": "w8_run_host",
              "w9": "w9_transformers", "w10": "w10_variants"}
@@ -61,10 +58,10 @@ def _start_prebuild(quick: bool, workloads, log):
         return None
     env = dict(os.environ)
     env.setdefault("MAX_JOBS", str(max(1, (os.cpu_count() or 2) - 6)))
-    cmd = [sys.executable, str(HERE / "baselines.py"), "prebuild", "--workloads", ",".join(workloads)]
+    cmd = [sys.executable, "-m", "benchmarks.baselines", "prebuild", "--workloads", ",".join(workloads)]
     cmd += ["--quick"] if quick else []
     # Its own process group, so the compilers it spawns end with it.
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
 
 
 def _deadlines(selected, quick: bool, total, start: float):
@@ -80,7 +77,8 @@ def _deadlines(selected, quick: bool, total, start: float):
 
 def run_workload(key, *, quick, deadline, results, passthrough) -> dict:
     """Run one workload script in its own process; returns ``{workload, returncode, seconds}``."""
-    cmd = [sys.executable, str(HERE / f"{WORKLOADS[key]}.py"), "--results", str(results)] + passthrough
+    cmd = [sys.executable, "-m", f"benchmarks.{WORKLOADS[key]}", "--results", str(Path(results).resolve())]
+    cmd += passthrough
     if quick:
         cmd.append("--quick")
     timeout = None
@@ -91,7 +89,7 @@ def run_workload(key, *, quick, deadline, results, passthrough) -> dict:
         timeout = budget + GRACE_S
     t0 = time.time()
     try:
-        rc = subprocess.run(cmd, timeout=timeout).returncode
+        rc = subprocess.run(cmd, timeout=timeout, cwd=ROOT).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     return {"workload": WORKLOADS[key], "returncode": rc, "seconds": round(time.time() - t0, 1)}
@@ -151,7 +149,7 @@ def main(argv=None) -> int:
         try:
             drawn = plots.draw_all(args.results)
         except Exception as exc:  # the JSON is what matters; figures can be redrawn anywhere from it
-            print(f"plots failed ({type(exc).__name__}: {exc}); redraw with python3 benchmarks/plots.py",
+            print(f"plots failed ({type(exc).__name__}: {exc}); redraw with python3 -m benchmarks.plots",
                   file=sys.stderr)
     summary = report.write_summary(args.results)
     for o in outcomes:

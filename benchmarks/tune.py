@@ -11,23 +11,18 @@ first, then eager and graph timing, L2 flushed before every sample) with the con
 :mod:`bsrattn.torch_cuda.config` for the duration of the plan and the run. Writes
 ``benchmarks/results/tune.json`` and prints the best point per case.
 
-Run on the GPU: ``python3 benchmarks/tune.py [--samples 50] [--impls ...]``; ``--cases w1,w3`` picks cases.
+Run on the GPU: ``python3 -m benchmarks.tune [--samples 50] [--impls ...]``; ``--cases w1,w3`` picks cases.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bsrattn as ba  # noqa: E402
-from benchmarks import harness, w1_quest_decode as w1, w2_paged_decode as w2, w3_prefill as w3  # noqa: E402
-from bsrattn.torch_cuda import config as cfg, prefill  # noqa: E402
+import bsrattn as ba
+from benchmarks import harness, w1_quest_decode as w1, w2_paged_decode as w2, w3_prefill as w3
+from bsrattn.torch_cuda import config as cfg, item_kernel
 
 WORKLOAD = "tune"
 TITLE = "torch tier tile and schedule sweep"
@@ -35,8 +30,8 @@ DECODE = dict(block_n=(32, 64), warps=(4, 8), stages=(2, 3, 4), ctas_per_sm=(1, 
 PREFILL = [dict(kernel=kernel, block_m=128, block_n=n, warps=8, stages=stages, ctas_per_sm=4)
            for kernel, n, stages in (("persistent", 64, 3), ("items, gathered", 64, 3), ("items", 64, 2),
                                      ("items", 64, 3), ("items", 128, 3))]
-"""Prefill points: the persistent kernel, and the item kernel (``prefill.py``) reading dense rows with gathered loads
-or, as shipped, through tensor descriptors."""
+"""Prefill points: the persistent kernel, and the item kernel (``item_kernel.py``) reading affine rows with gathered
+loads or, as shipped, through tensor descriptors."""
 CASES = {
     "w1": [("decode", f"W1 quest {n}/{b}", lambda s, n=n, b=b: w1.make_case(s, n, b, w1.GPU_SHAPE))
            for n, b in ((32768, 64), (32768, 512))],
@@ -61,21 +56,21 @@ DRY_CASES = [("decode", "W1 dry", lambda s: w1.make_case(s, 256, 8, w1.DRY_SHAPE
 @contextlib.contextmanager
 def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=None, kernel=None):
     """Set the tier's tile and schedule choices for ``kind`` ("decode" or "prefill"), restored on exit."""
-    saved = (cfg.tiles, dict(cfg.CTAS_PER_SM), cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M, cfg.prefill_kernel,
-             prefill.tma_ready)
+    saved = (cfg.tiles, dict(cfg.CTAS_PER_SM), cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M, cfg.item_kernel_for,
+             item_kernel.tma_ready)
     cfg.tiles = lambda m, head_dim, dtype, few_items=False: cfg.Tiles(m, block_n, warps, stages)
     cfg.CTAS_PER_SM[kind] = ctas_per_sm
     cfg.DECODE_MIN_SPLIT = min_split or cfg.DECODE_MIN_SPLIT
     cfg.PREFILL_BLOCK_M = block_m or cfg.PREFILL_BLOCK_M
     if kernel == "persistent":
-        cfg.prefill_kernel = lambda *args: False
+        cfg.item_kernel_for = lambda *args: 0
     elif kernel == "items, gathered":
-        prefill.tma_ready = lambda *args: False
+        item_kernel.tma_ready = lambda *args: False
     try:
         yield
     finally:
-        cfg.tiles, cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M, cfg.prefill_kernel = saved[0], *saved[2:5]
-        prefill.tma_ready = saved[5]
+        cfg.tiles, cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M, cfg.item_kernel_for = saved[0], *saved[2:5]
+        item_kernel.tma_ready = saved[5]
         cfg.CTAS_PER_SM.update(saved[1])
 
 

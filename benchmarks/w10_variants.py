@@ -54,24 +54,19 @@ qo_idx)`` with the query's index in its request (0 at decode) where bsrattn uses
 which the softmax cancels, so the outputs are the same. The ``--quick`` run keeps every configuration and
 FlashInfer's ``flashinfer-cuda-core`` (decode) and ``flashinfer-fa2`` (prefill).
 
-Run: ``python3 benchmarks/w10_variants.py [--quick]``.
+Run: ``python3 -m benchmarks.w10_variants [--quick]``.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import bsrattn as ba  # noqa: E402
-from benchmarks import baselines, correctness, harness, w2_paged_decode, w3_prefill  # noqa: E402
+import bsrattn as ba
+from benchmarks import baselines, correctness, harness, w2_paged_decode, w3_prefill
 
 WORKLOAD = "w10_variants"
 TITLE = ("W10: the cost of the attention variants (32/8 heads, d128; decode 16 x 4096 fp16 page 16, causal "

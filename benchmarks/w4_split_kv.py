@@ -16,20 +16,15 @@ Implementations, each checked against the float64 reference, then timed in graph
 The report gives each pair's speedup, ``<name>-no-split`` time / ``<name>`` time, and deterministic mode's cost,
 ``<name>-deterministic`` time / ``<name>`` time (FlashInfer's way to the same invariance is its no-split mode).
 
-Run: ``python3 benchmarks/w4_split_kv.py [--quick]``.
+Run: ``python3 -m benchmarks.w4_split_kv [--quick]``.
 """
 
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import harness  # noqa: E402
-from benchmarks.w2_paged_decode import (DRY_SHAPE, GPU_SHAPE, build_flashinfer, kv_lengths, make_case,  # noqa: E402
+from benchmarks import harness
+from benchmarks.w2_paged_decode import (DRY_SHAPE, GPU_SHAPE, build_flashinfer, kv_lengths, make_case,
                                         measure_bsrattn)
 
 WORKLOAD = "w4_split_kv"

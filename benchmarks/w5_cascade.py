@@ -16,25 +16,20 @@ Implementations, each checked against the float64 reference, then timed in graph
 
 The report gives the speedup of each cascade over the best plain decode of its library.
 
-Run: ``python3 benchmarks/w5_cascade.py [--quick]``.
+Run: ``python3 -m benchmarks.w5_cascade [--quick]``.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import bsrattn as ba  # noqa: E402
-from bsrattn.indexing import ceil_div  # noqa: E402
-from benchmarks import baselines, correctness, harness  # noqa: E402
-from benchmarks.w2_paged_decode import Shape  # noqa: E402
+import bsrattn as ba
+from bsrattn.indexing import ceil_div
+from benchmarks import baselines, correctness, harness
+from benchmarks.w2_paged_decode import Shape
 
 WORKLOAD = "w5_cascade"
 TITLE = "W5: shared-prefix decode, cascade vs plain paged decode (suffix 256, 32/32 heads, d128, fp16)"

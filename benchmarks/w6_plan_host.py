@@ -16,25 +16,20 @@ Implementations:
   (CPU) int32 page-table tensors;
 - ``flex-create-block-mask``: FlexAttention's ``create_block_mask`` for the same lengths.
 
-Run: ``python3 benchmarks/w6_plan_host.py [--quick]``.
+Run: ``python3 -m benchmarks.w6_plan_host [--quick]``.
 """
 
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import bsrattn as ba  # noqa: E402
-from bsrattn.indexing import ceil_div  # noqa: E402
-from benchmarks import baselines, harness  # noqa: E402
-from benchmarks.w2_paged_decode import DRY_SHAPE, GPU_SHAPE  # noqa: E402
-from bsrattn.validation import make_spec  # noqa: E402
+import bsrattn as ba
+from bsrattn.indexing import ceil_div
+from benchmarks import baselines, harness
+from benchmarks.w2_paged_decode import DRY_SHAPE, GPU_SHAPE
+from bsrattn.validation import make_spec
 
 WORKLOAD = "w6_plan_host"
 TITLE = "W6: plan() host time incl. copies to the GPU (decode, kv 4096, 32/8 heads, d128, fp16, page 16)"

@@ -14,23 +14,18 @@ kernel such as FlexAttention with BLOCK_SIZE 128) reads every block holding a se
 uniformly random pages: a block of ``k`` pages out of ``N`` is untouched by ``b`` picks with probability
 ``C(N-k, b) / C(N, b)``. A BSR kernel with Bc = 16 reads only what it needs (ratio 1).
 
-Run: ``python3 benchmarks/w7_cpu_models.py [--quick]``; results in ``benchmarks/results/w7_cpu_models.json``.
+Run: ``python3 -m benchmarks.w7_cpu_models [--quick]``; results in ``benchmarks/results/w7_cpu_models.json``.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import bsrattn as ba  # noqa: E402
-from benchmarks import harness, report  # noqa: E402
+import bsrattn as ba
+from benchmarks import harness, report
 
 WORKLOAD = "w7_cpu_models"
 TITLE = "W7: scheduler makespan simulation (132 CTAs) and the read-amplification model (CPU only)"

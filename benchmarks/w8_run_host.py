@@ -24,22 +24,17 @@ Implementations:
 - ``flashinfer-cuda-core``: ``BatchDecodeWithPagedKVCacheWrapper.run``; ``flashinfer-fa2``:
   ``BatchPrefillWithRaggedKVCacheWrapper.run``; each planned outside the loop, as ``bsrattn-torch``.
 
-Run: ``python3 benchmarks/w8_run_host.py [--quick]``.
+Run: ``python3 -m benchmarks.w8_run_host [--quick]``.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-import sys
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bsrattn as ba  # noqa: E402
-from benchmarks import harness, w2_paged_decode, w3_prefill  # noqa: E402
+import bsrattn as ba
+from benchmarks import harness, w2_paged_decode, w3_prefill
 
 WORKLOAD = "w8_run_host"
 TITLE = "W8: host time per call, tight loop (32/8 heads, d128; decode fp16 page 16, causal prefill bf16)"

@@ -19,19 +19,14 @@ several times over (fp16 scores, scaled and masked, their fp32 softmax, its fp16
 taken over the first requests of the batch that fit. Eager mode only: HF's dynamic cache grows every step,
 which a CUDA graph cannot replay.
 
-Run: ``python3 benchmarks/w9_transformers.py [--quick]``.
+Run: ``python3 -m benchmarks.w9_transformers [--quick]``.
 """
 
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness
 
 WORKLOAD = "w9_transformers"
 TITLE = "W9: per-token decode of a 1B-class Llama (fp16, 32/8 heads, d64): bsrattn vs SDPA vs eager"

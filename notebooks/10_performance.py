@@ -27,9 +27,10 @@
 # over the measured matmul rate. Baselines (PyTorch SDPA, FlexAttention, FlashInfer) run in the same process on
 # the same data.
 #
-# To reproduce on a GPU: `python3 benchmarks/run_all.py` (or `--quick`, or `--only w1,w3`).
+# To reproduce on a GPU: `python3 -m benchmarks.run_all` (or `--quick`, or `--only w1,w3`).
 
 # %%
+import importlib.util
 import os
 import shutil
 import sys
@@ -48,7 +49,10 @@ from IPython.display import Markdown, display
 ROOT = next((p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks" / "harness.py").is_file()), None)
 if ROOT is None:
     raise FileNotFoundError(f"no benchmarks/ above {Path.cwd()}: run this notebook inside the repository")
-sys.path.insert(0, str(ROOT))
+# benchmarks/ is a folder of the repository, not an installed package: it is imported from there, by its path.
+spec = importlib.util.spec_from_file_location("benchmarks", ROOT / "benchmarks" / "__init__.py")
+sys.modules["benchmarks"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sys.modules["benchmarks"])
 from benchmarks import harness, plots, report  # noqa: E402
 
 # %% [markdown]
@@ -67,7 +71,7 @@ if results:
         print(f"{name}: {len(payload['records'])} records, measured {payload['environment'].get('time_utc', '')}")
 else:
     print(f"No benchmark results in {results_dir.relative_to(ROOT)} yet. They are measured on the H200 with "
-          "`python3 benchmarks/run_all.py` and committed; until then this notebook has nothing measured to show, "
+          "`python3 -m benchmarks.run_all` and committed; until then this notebook has nothing measured to show, "
           "and it shows nothing rather than invent it. The CPU-only workload below runs here.")
 gpu_results = {name: payload for name, payload in results.items() if payload.get("ceilings")}
 
@@ -182,3 +186,12 @@ plots.plot_w7(model, fig)
 fig.suptitle(model["title"] + " (small form, on this CPU)", fontsize=10)
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercise of the course that goes with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 17, **read-amplification** (`python -m bsrattn.exercises check 17`): Read amplification: the KV slots a
+#   kernel of fixed block size reads to serve a layout, against those needed.

@@ -23,6 +23,7 @@
 # The claim to check, each time: the tokens are the model's own greedy tokens, `model.generate`'s.
 
 # %%
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -35,9 +36,11 @@ import bsrattn as ba
 import bsrattn.integrations.transformers as bsrattn_hf
 from bsrattn.draw import layout as draw_layout
 
+# The serving loop, examples/paged_generation.py: a script of the repository, imported from there by its path.
 ROOT = Path.cwd() if (Path.cwd() / "examples").exists() else Path.cwd().parent
-sys.path.insert(0, str(ROOT / "examples"))
-import paged_generation  # noqa: E402  (examples/paged_generation.py: the serving loop)
+spec = importlib.util.spec_from_file_location("paged_generation", ROOT / "examples" / "paged_generation.py")
+paged_generation = sys.modules["paged_generation"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(paged_generation)
 
 torch.manual_seed(0)
 config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -181,3 +184,12 @@ plt.show()
 # %% [markdown]
 # The same loop runs on the torch tier (`backend="torch"`), on a GPU or here in Triton's interpreter, with the
 # same tokens (`tests/test_paged_generation.py` checks both tiers).
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercise of the course that goes with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 23, **gqa** (`python -m bsrattn.exercises check 23`): Grouped-query attention: G query heads share one KV
+#   head, and a kernel reads it once for all of them.

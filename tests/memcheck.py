@@ -3,6 +3,8 @@
     compute-sanitizer --tool memcheck python3 tests/memcheck.py numba
     compute-sanitizer --tool memcheck python3 tests/memcheck.py torch
 
+(with ``bsrattn`` installed, ``pip install -e .``, or on ``PYTHONPATH``).
+
 Small shapes, so the sanitizer's report covers every kernel the tier launches in seconds: a paged decode and a
 multi-row paged call with GQA 32/8 over scattered pages (split KV, so the merges run), HND storage, a ragged
 causal prefill, and a Quest selection (one row per head). Each result is compared with the float64 reference
@@ -14,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bsrattn as ba  # noqa: E402
-from bsrattn.testing import scattered_page_tables  # noqa: E402
-from helpers import assert_matches_reference  # noqa: E402  (this script's folder is on the path)
+import bsrattn as ba
+from bsrattn.testing import scattered_page_tables
+from helpers import assert_matches_reference  # this script's folder is on the path
 
 PAGE, HEAD_DIM, HQ, HKV = 16, 128, 32, 8
 

@@ -4,21 +4,15 @@ synthetic records. The GPU workloads themselves run on the H200 (benchmarks/READ
 """
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import bsrattn as ba  # noqa: E402
-from bsrattn.indexing import ceil_div  # noqa: E402
-from bsrattn.testing import scattered_page_tables  # noqa: E402
-from benchmarks import baselines, ceilings, correctness, harness, plots, records, report, run_all, timing  # noqa: E402
-from benchmarks import w3_prefill, w7_cpu_models, w10_variants  # noqa: E402
+import bsrattn as ba
+from bsrattn.indexing import ceil_div
+from bsrattn.testing import scattered_page_tables
+from benchmarks import baselines, ceilings, correctness, harness, plots, records, report, run_all, timing
+from benchmarks import w3_prefill, w7_cpu_models, w10_variants
 
 GPU_SCRIPTS = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
                "w8_run_host", "w9_transformers", "w10_variants")
@@ -48,7 +42,7 @@ def test_w7_makespan_table_shape(w7_payload):
     assert _w7(w7_payload, "makespan", distribution="uniform kv=2048", batch=256)["median"] == 1.0
     assert _w7(w7_payload, "makespan", distribution="U(4096, 16384)", batch=32)["median"] > 3
     assert _w7(w7_payload, "makespan", distribution="lognormal", batch=256)["median"] > 1.5
-    assert w7_payload["command"] == "python3 benchmarks/w7_cpu_models.py"
+    assert w7_payload["command"] == "python3 -m benchmarks.w7_cpu_models"
     assert w7_payload["environment"]["packages"]["numpy"]
 
 
@@ -223,7 +217,8 @@ def test_gpu_script_dry_run(name, tmp_path):
     module = __import__(f"benchmarks.{name}", fromlist=["main"])
     module.main(["--dry-run", "--results", str(tmp_path), "--impls", NO_FLEX])
     payload = json.loads((tmp_path / f"{name}.json").read_text())
-    assert payload["workload"] == name and payload["dry_run"] and payload["command"].startswith("python3 benchmarks/")
+    assert payload["workload"] == name and payload["dry_run"]
+    assert payload["command"].startswith("python3 -m benchmarks.")
     by_status = {}
     for rec in payload["records"]:
         by_status.setdefault(rec["status"], []).append(rec["impl"])
@@ -289,7 +284,7 @@ def synthetic_payloads():
     ceilings = {"copy_bytes_per_s": 4.2e12, "gemm_flops_per_s": 7.9e14}
 
     def payload(name, records):
-        return {"workload": name, "title": f"{name} (synthetic)", "command": f"python3 benchmarks/{name}.py --quick",
+        return {"workload": name, "title": f"{name} (synthetic)", "command": f"python3 -m benchmarks.{name} --quick",
                 "quick": True, "samples": 100, "ceilings": ceilings, "records": records,
                 "environment": {"gpu": {"name": "NVIDIA H200", "sms": 132, "driver": "580"},
                                 "packages": {"torch": "2.11"}, "git_commit": "abc", "time_utc": "now"}}
@@ -341,7 +336,7 @@ def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     text = report.write_summary(tmp_path).read_text()
     assert text.count("\n## ") == 10 and "Not run yet" not in text
     for name in report.ORDER:
-        assert f"python3 benchmarks/{name}.py" in text and f"![{name}]({name}.png)" in text
+        assert f"python3 -m benchmarks.{name}" in text and f"![{name}]({name}.png)" in text
     assert "| seq_len=4096 budget=64 | 4.0 | 7.0 (0.57) | 40.0 (0.10) | n/a | 3.00 |" in text
     assert "| seq_len=32768 budget=512 | 32.0 | 56.0 (0.57) | 320.0 (0.10) | — | 3.00 |" in text
     assert "| dtype=float16 batch=16 kv_len=1024 | 16.0 | 8.0 (2.00) | 13.0 (1.23) | — | 2.00 | 1.62x |" in text

@@ -25,6 +25,7 @@ PARTS = 2
 def test_every_kernel_compiles_for_sm90():
     """The kernels in two shares, one process each, compiled at once (NVVM runs on one core)."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPT.parent.parent), os.environ.get("PYTHONPATH")]))
     parts = [subprocess.Popen([sys.executable, str(SCRIPT), "--part", f"{i}/{PARTS}"], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=SCRIPT.parent.parent)
              for i in range(PARTS)]

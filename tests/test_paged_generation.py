@@ -7,9 +7,6 @@ two-level cascade; its logits must be HF's own forward's.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -19,8 +16,7 @@ transformers = pytest.importorskip("transformers")
 import bsrattn as ba  # noqa: E402
 from bsrattn.integrations.paged import PagedKVCache  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import paged_generation  # noqa: E402
+import paged_generation  # noqa: E402  (examples/, on pytest's pythonpath)
 from helpers import generate_each  # noqa: E402
 
 VOCAB = 128

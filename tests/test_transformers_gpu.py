@@ -12,9 +12,6 @@ shared system prompt as a cascade. Run on the H200 with ``python3 -m pytest -m g
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,8 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 import bsrattn.integrations.transformers as bsrattn_hf  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import paged_generation  # noqa: E402
+import paged_generation  # noqa: E402  (examples/, on pytest's pythonpath)
 from helpers import generate_each  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),

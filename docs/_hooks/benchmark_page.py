@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ IMAGE_SUFFIXES = (".png", ".svg", ".jpg")
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 NO_RESULTS = ("!!! note \"No results committed yet\"\n"
               "    `benchmarks/results/` holds no results in this version of the repository. They are measured on "
-              "the H200 with `python3 benchmarks/run_all.py` and committed; this page then shows them.")
+              "the H200 with `python3 -m benchmarks.run_all` and committed; this page then shows them.")
 
 
 def _images():
@@ -66,8 +67,10 @@ def results_markdown() -> str:
         return _demote(_relink(readme.read_text()))
     if not RESULTS_DIR.is_dir() or not any(RESULTS_DIR.glob("*.json")):
         return NO_RESULTS
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    if "benchmarks" not in sys.modules:  # the repository's folder, not an installed package: imported by its path
+        spec = importlib.util.spec_from_file_location("benchmarks", ROOT / "benchmarks" / "__init__.py")
+        sys.modules["benchmarks"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["benchmarks"])
     from benchmarks import harness, report
 
     return _demote(_relink(report.render(harness.load_results(RESULTS_DIR), RESULTS_DIR)))
