@@ -109,16 +109,17 @@ def _short(exc: BaseException) -> str:
 NOT_CAPTURED = {"numba": "not captured: numba launches on the legacy default stream, outside torch's capture"}
 
 
-def bsrattn_build(tier: str, layout, q, k, v, *, plan: dict, out=None, run: dict | None = None):
-    """``build`` for :meth:`Suite.measure`: ``BatchAttention(tier).plan(layout, **plan)`` once, then
-    ``run(q, k, v, out=out, **run)`` per call (the timed part).
+def bsrattn_build(tier: str, layout, q, k, v, *, plan: dict, out=None, run: dict | None = None,
+                  kernel: str | None = None):
+    """``build`` for :meth:`Suite.measure`: ``BatchAttention(tier, kernel).plan(layout, **plan)`` once, then
+    ``run(q, k, v, out=out, **run)`` per call (the timed part); ``kernel="core"`` times the tier's core.
 
     The reference tier (dry runs) is given NumPy copies and no ``out``: it runs on NumPy arrays.
     """
     run = run or {}
 
     def build():
-        attn = ba.BatchAttention(backend=tier)
+        attn = ba.BatchAttention(backend=tier, kernel=kernel)
         attn.plan(layout, **plan)
         if tier == "reference":
             arrays = [x.detach().cpu().numpy() for x in (q, k, v)]
@@ -129,9 +130,10 @@ def bsrattn_build(tier: str, layout, q, k, v, *, plan: dict, out=None, run: dict
 
 
 def measure_bsrattn(suite, config: dict, name: str, tier: str, layout, q, k, v, *, plan: dict, out=None,
-                    run: dict | None = None, **checking):
+                    run: dict | None = None, kernel: str | None = None, **checking):
     """:meth:`Suite.measure` of one bsrattn tier through ``BatchAttention`` (see :func:`bsrattn_build`)."""
-    return suite.measure(config, name, bsrattn_build(tier, layout, q, k, v, plan=plan, out=out, run=run),
+    return suite.measure(config, name, bsrattn_build(tier, layout, q, k, v, plan=plan, out=out, run=run,
+                                                     kernel=kernel),
                          out=out if tier != "reference" else None, graph=NOT_CAPTURED.get(tier, True), **checking)
 
 
@@ -207,7 +209,7 @@ class Suite:
     @property
     def command(self) -> str:
         flags = " --quick" if self.quick else ""
-        return f"python3 benchmarks/{self.workload}.py{flags}"
+        return f"python3 -m benchmarks.{self.workload}{flags}"
 
     def selected(self, impl: str) -> bool:
         return self.patterns is None or any(fnmatch.fnmatch(impl, p) for p in self.patterns)

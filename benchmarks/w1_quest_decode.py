@@ -8,30 +8,26 @@ its own ``budget`` random distinct pages, sorted. The work needs exactly those p
 Implementations, each checked against the float64 reference, then timed in graph and eager mode:
 
 - ``bsrattn-torch``, ``bsrattn-numba``: ``ba.layouts.quest`` (one BSR row per head) and ``per_head_views``
-  (the heads folded into the batch); ``BatchAttention`` planned once, ``run`` timed.
+  (the heads folded into the batch); ``BatchAttention`` planned once, ``run`` timed; ``bsrattn-torch-core``, the
+  same call on the torch tier's core (``kernel="core"``: the paper's kernel at teaching size, the first rung).
 - ``flashinfer-cuda-core``: FlashInfer's decode with the per-head pages folded into the batch the same way.
 - ``sdpa-mask``: SDPA over the whole cache (given a ready contiguous ``[1, H, seq_len, D]`` copy) with a
   boolean mask of the selected tokens.
 - ``flex-b128``, ``flex-b16``: FlexAttention on that copy with a block mask of 128 (16) tokens per block.
 - ``gather-sdpa``: gather each head's selected pages, then SDPA over them (the gather is timed).
 
-Run: ``python3 benchmarks/w1_quest_decode.py [--quick]``; results in ``benchmarks/results/w1_quest_decode.json``.
+Run: ``python3 -m benchmarks.w1_quest_decode [--quick]``; results in ``benchmarks/results/w1_quest_decode.json``.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import bsrattn as ba  # noqa: E402
-from benchmarks import baselines, correctness, harness  # noqa: E402
+import bsrattn as ba
+from benchmarks import baselines, correctness, harness
 
 WORKLOAD = "w1_quest_decode"
 TITLE = "W1: Quest sparse decode (batch 1, 32/32 heads, d128, fp16, page 16, per-head pages)"
@@ -186,6 +182,9 @@ def run(suite) -> None:
         for tier in tiers:
             harness.measure_bsrattn(suite, config, f"bsrattn-{tier}", tier, case.layout, *case.views, plan=plan,
                                     out=case.out, **common)
+        if not suite.dry_run:  # the first rung: the paper's kernel at teaching size
+            harness.measure_bsrattn(suite, config, "bsrattn-torch-core", "torch", case.layout, *case.views,
+                                    plan=plan, out=case.out, kernel="core", **common)
         suite.measure(config, "flashinfer-cuda-core", partial(build_flashinfer, case), out=case.out,
                       needs_cuda=True, **common)
         suite.measure(config, "sdpa-mask", partial(build_sdpa_mask, case), **common)

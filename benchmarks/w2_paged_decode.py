@@ -9,30 +9,26 @@ measured on the H200), so the fraction can exceed 1.
 
 Implementations, each checked against the float64 reference, then timed in graph and eager mode:
 
-- ``bsrattn-torch`` (and ``bsrattn-numba``, fp16, full run only): ``ba.layouts.paged``, planned once.
+- ``bsrattn-torch`` (and ``bsrattn-numba``, fp16, full run only): ``ba.layouts.paged``, planned once;
+  ``bsrattn-torch-core``, the same call on the torch tier's core (``kernel="core"``), the first rung.
 - ``flashinfer-cuda-core``, ``flashinfer-tensor-core``: ``BatchDecodeWithPagedKVCacheWrapper`` without and with
   ``use_tensor_cores``; the target (docs/benchmarks.md) compares with the better of the two.
 - ``sdpa-contiguous``: SDPA given a ready contiguous ``[B, 8, kv_len, 128]`` copy (padded with a mask for
   variable lengths); ``sdpa-gather``: the page gather then SDPA, both timed. Not for fp8 KV.
 
-Run: ``python3 benchmarks/w2_paged_decode.py [--quick]``.
+Run: ``python3 -m benchmarks.w2_paged_decode [--quick]``.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import bsrattn as ba  # noqa: E402
-from bsrattn.testing import scattered_page_tables  # noqa: E402
-from benchmarks import baselines, correctness, harness  # noqa: E402
+import bsrattn as ba
+from bsrattn.testing import scattered_page_tables
+from benchmarks import baselines, correctness, harness
 
 WORKLOAD = "w2_paged_decode"
 TITLE = "W2: paged decode (32/8 heads, d128, page 16, scattered pages; fp16, bf16, fp8-e4m3 KV)"
@@ -208,10 +204,10 @@ def build_sdpa_gather(case):
     return run
 
 
-def measure_bsrattn(suite, config, case, tier, name=None, **plan_extra):
-    """``bsrattn-<tier>`` (or ``name``) on ``case``: plan once, ``run`` timed."""
+def measure_bsrattn(suite, config, case, tier, name=None, kernel=None, **plan_extra):
+    """``bsrattn-<tier>`` (or ``name``) on ``case``: plan once, ``run`` timed; ``kernel="core"``: the tier's core."""
     harness.measure_bsrattn(suite, config, name or f"bsrattn-{tier}", tier, case.layout, case.q, case.k, case.v,
-                            plan={**case.plan_args(), **plan_extra}, out=case.out, run=case.scales,
+                            plan={**case.plan_args(), **plan_extra}, out=case.out, run=case.scales, kernel=kernel,
                             **case.check_args())
 
 
@@ -226,6 +222,8 @@ def run(suite) -> None:
             measure_bsrattn(suite, config, case, "reference")
         else:
             measure_bsrattn(suite, config, case, "torch")
+            if not fp8:  # the first rung: the paper's kernel at teaching size
+                measure_bsrattn(suite, config, case, "torch", name="bsrattn-torch-core", kernel="core")
             if not suite.quick and kv_dtype == "float16":
                 measure_bsrattn(suite, config, case, "numba")
         suite.measure(config, "flashinfer-cuda-core", partial(build_flashinfer, case, tensor_cores=False),

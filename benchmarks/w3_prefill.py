@@ -15,7 +15,8 @@ Implementations, each checked against the float64 reference, then timed in graph
 
 - ``bsrattn-torch``: ``ba.layouts.ragged`` (Bc = 1, KV contiguous per request), planned once; in the full run
   also ``ba.layouts.paged`` with page 16 (``kv_layout=paged`` rows); ``bsrattn-torch-deterministic``, the same
-  ragged call in deterministic mode (default ``split_size``).
+  ragged call in deterministic mode (default ``split_size``); ``bsrattn-torch-core``, the same call on the torch
+  tier's core (``kernel="core"``: the paper's kernel at teaching size, the first rung).
 - ``flashinfer-fa2``, ``flashinfer-fa3``: ``BatchPrefillWithRaggedKVCacheWrapper`` (paged: ``...PagedKVCache...``)
   with ``backend="fa2"`` / ``"fa3"``.
 - ``sdpa``: PyTorch's default SDPA (cuDNN / flash) batched when the lengths are equal, else one call per request
@@ -24,24 +25,20 @@ Implementations, each checked against the float64 reference, then timed in graph
   ``flashinfer-cascade-fa2`` (two fa2 paged prefill wrappers and ``merge_state_in_place``, W5's) and
   ``flashinfer-fa2``/``-fa3`` on the paged layout.
 
-Run: ``python3 benchmarks/w3_prefill.py [--quick]``.
+Run: ``python3 -m benchmarks.w3_prefill [--quick]``.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import bsrattn as ba  # noqa: E402
-from bsrattn.testing import scattered_page_tables  # noqa: E402
-from benchmarks import baselines, correctness, harness  # noqa: E402
+import bsrattn as ba
+from bsrattn.indexing import ceil_div
+from bsrattn.testing import scattered_page_tables
+from benchmarks import baselines, correctness, harness
 
 WORKLOAD = "w3_prefill"
 TITLE = "W3: ragged causal prefill (32/8 heads, d128, bf16; TFLOP/s, causal FLOPs counted once)"
@@ -171,7 +168,7 @@ def make_shared_case(suite, shape: Shape, spec) -> Case:
     if prefix_len % page:
         raise ValueError(f"prefix_len={prefix_len} must be a multiple of the page size {page}: each request's own "
                          f"tokens start on a fresh page in both layouts")
-    n_prefix, n_own = prefix_len // page, -(-own // page)
+    n_prefix, n_own = prefix_len // page, ceil_div(own, page)
     perm = suite.rng.permutation(n_prefix + batch * n_own)
     prefix_pages, own_tables = perm[:n_prefix], perm[n_prefix:].reshape(batch, n_own)
     lens = np.full(batch, own, dtype=np.int64)
@@ -268,6 +265,10 @@ def run(suite) -> None:
                           **case.check_args())
         harness.measure_bsrattn(suite, config, f"bsrattn-{tier}", tier, case.layout if case.paged is None else
                                 case.paged, case.q, case.k, case.v, plan=plan, out=case.out, **case.check_args())
+        if tier == "torch":  # the first rung: the paper's kernel at teaching size
+            harness.measure_bsrattn(suite, config, "bsrattn-torch-core", tier, case.layout if case.paged is None
+                                    else case.paged, case.q, case.k, case.v, plan=plan, out=case.out, kernel="core",
+                                    **case.check_args())
         for backend in ("fa2", "fa3"):
             suite.measure(config, f"flashinfer-{backend}", partial(build_flashinfer, case, backend), out=case.out,
                           needs_cuda=True, **case.check_args())

@@ -8,9 +8,11 @@ Examples
 """
 
 from bsrattn import backends, indexing, layouts, scheduler
-from bsrattn.api import BatchAttention, attention, merge_state, merge_states
+from bsrattn.api import BatchAttention, attention
+from bsrattn.state import merge_state, merge_states
 from bsrattn.backends import Backend, BackendError, get_backend, set_backend, use_backend
-from bsrattn.layout import BSRLayout, Cascade, ReadAmplification
+from bsrattn.cascade import Cascade
+from bsrattn.layout import BSRLayout, ReadAmplification
 from bsrattn.variant import Variant
 
 __version__ = "0.1.0"

@@ -9,16 +9,18 @@ from typing import TYPE_CHECKING
 from bsrattn import scheduler
 from bsrattn._types import Array, DType
 from bsrattn.backends import Backend, get_backend
-from bsrattn.layout import BSRLayout, Cascade
+from bsrattn.cascade import Cascade
+from bsrattn.layout import BSRLayout
+from bsrattn.passed import ONE_SHOT, Passed, run_key, spec_like
 from bsrattn.state import merge_sinks, write_into
-from bsrattn.validation import FLOAT_DTYPES, AttentionSpec, check_array, check_deterministic, check_on_grid, \
-    check_rope_positions, dtype_name, make_spec, shape_of, spec_from_inputs
+from bsrattn.validation import check_deterministic, check_on_grid, check_rope_positions, make_spec, shape_of, \
+    spec_from_inputs
 from bsrattn.variant import Variant
 
 if TYPE_CHECKING:
     from bsrattn.scheduler import WorkPlan
 
-__all__ = ["attention", "BatchAttention", "merge_state", "merge_states"]
+__all__ = ["attention", "BatchAttention"]
 
 _PLAIN = Variant()
 
@@ -48,17 +50,6 @@ def _positioned(layout, level, spec, rope_positions=None):
     if rope_positions is None:
         return spec
     return replace(spec, rope_positions=check_rope_positions(layout, spec.variant, rope_positions))
-
-
-def _spec_args(spec) -> tuple:
-    """``spec``'s fields after its layout: the arguments besides the layout that :func:`make_spec` built it from."""
-    return (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.variant, spec.q_dtype, spec.kv_dtype,
-            spec.kv_view)
-
-
-def _reusable(spec, variant) -> bool:
-    """Whether ``spec`` (checked on an earlier plan with the same arguments) holds for ``variant``."""
-    return spec.variant is variant or spec.variant == variant
 
 
 def _fold_states(backend, states, variant):
@@ -102,7 +93,7 @@ def _slot_view(x, kv_layout):
     return x.reshape(n * b, h, d)
 
 
-def _deterministic_layout(layout, rope_positions):
+def _deterministic_layout(layout, variant, rope_positions):
     """The layout a deterministic plan runs: a BSRLayout itself; a Cascade as its one flattened layout, each
     query's keys of every level in order, so that the chunk grid runs through the levels as through flat KV."""
     if not isinstance(layout, Cascade):
@@ -110,14 +101,14 @@ def _deterministic_layout(layout, rope_positions):
     if rope_positions is not None:
         raise ValueError("rope_positions is for a BSRLayout: a Cascade's levels turn at their positions in the "
                          "whole sequence (Cascade.rope_positions)")
-    return layout.flatten()
+    return layout.flatten(causal=variant.causal)
 
 
 def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, variant: Variant | None = None,
               backend: str | Backend | None = None, kv_layout: str = "NHD", return_lse: bool = False,
               out: Array | None = None, lse: Array | None = None, k_scale: float | None = None,
               v_scale: float | None = None, rope_positions: tuple | None = None, deterministic: bool = False,
-              split_size: int | None = None) -> Array | tuple[Array, Array]:
+              split_size: int | None = None, kernel: str | None = None) -> Array | tuple[Array, Array]:
     """Attention of every query row over its KV, for any layout.
 
     Parameters
@@ -155,6 +146,10 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
     split_size : int, optional
         Deterministic mode's chunk grid, KV slots per chunk at absolute positions, a multiple of 64; default
         ``bsrattn.validation.DEFAULT_SPLIT_SIZE`` (1024). Only with ``deterministic=True``.
+    kernel : {"shipped", "core"}, optional
+        Which of the tier's kernels runs: ``"shipped"`` (the default), or ``"core"``, the paper's kernel at teaching
+        size (the numba and torch tiers; see :data:`bsrattn.backends.KERNELS`). The core has no chunk grid, so
+        not with ``deterministic=True``.
 
     Returns
     -------
@@ -170,7 +165,8 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
     ValueError
         Shapes that do not fit the layout or each other, a read-only ``out``/``lse``, a torch tensor on the
         meta device, ``rope_positions`` of the wrong lengths or without fused RoPE; in deterministic mode, a
-        ``split_size`` that is not a multiple of 64 or a row that ``rope_positions`` starts off the chunk grid.
+        ``split_size`` that is not a multiple of 64 or a row that ``rope_positions`` starts off the chunk grid;
+        a ``kernel`` the tier does not run, or ``kernel="core"`` with ``deterministic=True``.
 
     Notes
     -----
@@ -197,10 +193,10 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
     >>> out.shape, lse.shape
     ((3, 4, 8), (3, 4))
     """
-    be = get_backend(backend)
+    be = get_backend(backend, kernel)
     variant = _PLAIN if variant is None else variant
     run_kwargs = dict(return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
-    split = check_deterministic(deterministic, split_size)
+    split = _check_kernel_mode(be, check_deterministic(deterministic, split_size))
     if split is not None:  # planned like any BatchAttention step, on the chunk grid
         first = _levels(layout)[0]
         spec = spec_from_inputs(q, k, v, first, _level_variant(layout, 0, variant), kv_layout, out=out, lse=lse,
@@ -225,29 +221,40 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
     return (o, s) if return_lse else o
 
 
-_last_one_shot = None
-"""``(layout, (variant, kv_layout, run key), spec)`` of the last one-shot call of a BSRLayout that passed the
-checks, the run key as :func:`_run_key` gives it."""
+def _check_kernel_mode(backend, split):
+    """``split`` (deterministic mode's chunk grid, or None), refused for a kernel that has no chunk grid."""
+    if split is not None and backend.kernel == "core":
+        raise ValueError(f"deterministic=True: the {backend.name!r} tier's core kernel has no chunk grid; run "
+                         f"deterministic mode on the shipped kernel (kernel=None)")
+    return split
 
 
 def _one_shot_spec(q, k, v, layout, variant, kv_layout, out, lse, run_kwargs, rope_positions):
-    """The checked spec of a one-shot call over a BSRLayout. The checks read only the layout (immutable), the
-    variant, ``kv_layout`` and what the run key holds of the arguments (as :meth:`BatchAttention.run`'s do), so
-    a call with the last passing call's layout object, variant, view and key gets its spec without them: a
-    model's layers call with one layout in a step. With ``rope_positions`` (arrays of the caller's) the checks
-    always run."""
-    global _last_one_shot
-    key = None
-    if rope_positions is None:
-        key = _run_key(q, k, v, out, lse, run_kwargs["return_lse"], run_kwargs["k_scale"], run_kwargs["v_scale"])
-        last = _last_one_shot
-        if key is not None and last is not None and last[0] is layout and last[1] == (variant, kv_layout, key):
-            return last[2]
-    spec = _positioned(layout, 0, spec_from_inputs(q, k, v, layout, variant, kv_layout, out=out, lse=lse,
-                                                   **run_kwargs), rope_positions)
-    if key is not None:
-        _last_one_shot = (layout, (variant, kv_layout, key), spec)
-    return spec
+    """The checked spec of a one-shot call over a BSRLayout; a call like the last that passed (its layout object,
+    variant, view and run key: :mod:`bsrattn.passed`) gets it without the checks: a model's layers call with one
+    layout in a step. With ``rope_positions`` (arrays of the caller's) the checks always run."""
+    def check():
+        return _positioned(layout, 0, spec_from_inputs(q, k, v, layout, variant, kv_layout, out=out, lse=lse,
+                                                       **run_kwargs), rope_positions)
+
+    if rope_positions is not None:
+        return check()
+    key = run_key(q, k, v, out, lse, run_kwargs["return_lse"], run_kwargs["k_scale"], run_kwargs["v_scale"])
+    return ONE_SHOT.get(None if key is None else (_Identity(layout), variant, kv_layout, key), check)
+
+
+class _Identity:
+    """A layout compared by identity, not equality: a key holds the very object that passed."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    __hash__ = None
 
 
 class BatchAttention:
@@ -258,11 +265,13 @@ class BatchAttention:
     backend : str or Backend, optional
         The tier that plans and runs, ``"reference"``, ``"numba"``, ``"torch"`` or ``"auto"``; default: the
         flag's choice when the object is made (see :mod:`bsrattn.backends`).
+    kernel : {"shipped", "core"}, optional
+        Which of the tier's kernels runs (see :func:`attention`); default ``"shipped"``.
 
     Raises
     ------
     ValueError
-        An unknown backend name.
+        An unknown backend name, or a ``kernel`` the tier does not run.
     BackendError
         A backend whose dependency is not installed.
 
@@ -278,16 +287,15 @@ class BatchAttention:
     True
     """
 
-    def __init__(self, backend: str | Backend | None = None) -> None:
-        self.backend = get_backend(backend)
+    def __init__(self, backend: str | Backend | None = None, kernel: str | None = None) -> None:
+        self.backend = get_backend(backend, kernel)
         self._args: tuple = ()
         self._specs: list = []
         self._checks: list = []  # the specs run checks its arguments against (a flattened Cascade's: its levels')
         self._slots_of: str | None = None  # a flattened Cascade's kv_layout: run views its pool one slot per row
         self._runners: list = []
         self._sink_rows: dict = {}  # the sinks' state, kept between calls (state.merge_sinks)
-        self._passed: tuple | None = None  # the last run's _run_key, when its arguments passed the checks
-        self._call = None  # run's work for arguments of that key (_bind)
+        self._passed = Passed()  # run's work for arguments like the last that passed the checks (_bind)
 
     def plan(self, layout: BSRLayout | Cascade, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
              variant: Variant | None = None, q_dtype: DType | None = None, kv_dtype: DType | None = None,
@@ -308,9 +316,11 @@ class BatchAttention:
         a re-plan or a fresh object, eager or a replayed CUDA graph, flat KV or a Cascade, a decode step or the
         same query as a row of a causal prefill over the same keys, one call or KV pieces merged with
         :func:`merge_state` (in KV order, each piece after the first within one chunk of the grid, the states in
-        float32). Each row's KV is cut on a grid fixed at absolute positions, every ``split_size`` slots; each
-        chunk's state is computed alone, with arithmetic whose bits do not depend on the tile the row sits in;
-        the chunks' states are folded left to right with ⊕. A Cascade runs as its flattened layout
+        float32; on the reference tier, whose chunk states and fold are float64 inside, in float64 — a float64
+        ``q`` — while float32 pieces there match the one call to float32 rounding). Each row's KV is cut on a
+        grid fixed at absolute positions, every ``split_size`` slots; each chunk's state is computed alone, with
+        arithmetic whose bits do not depend on the tile the row sits in; the chunks' states are folded left to
+        right with ⊕. A Cascade runs as its flattened layout
         (:meth:`Cascade.flatten`: each query's keys of every level in order), so the grid runs through its
         levels; each request then reads the shared prefix itself, as in flat KV. A row that ``rope_positions``
         starts off the grid is refused. The bits are each tier's own: tiers agree with each other to rounding.
@@ -366,7 +376,8 @@ class BatchAttention:
             starts off the grid, a Cascade that cannot be flattened.
         """
         variant = _PLAIN if variant is None else variant
-        split = check_deterministic(deterministic, split_size, fixed_split_size, disable_split_kv)
+        split = _check_kernel_mode(self.backend,
+                                   check_deterministic(deterministic, split_size, fixed_split_size, disable_split_kv))
         levels = _levels(layout)
         checks = []
         slots_of = None
@@ -375,7 +386,7 @@ class BatchAttention:
                 checks = [make_spec(level, num_qo_heads, num_kv_heads, head_dim, _level_variant(layout, i, variant),
                                     q_dtype, kv_dtype, kv_layout) for i, level in enumerate(levels)]
                 slots_of, kv_layout = kv_layout, "NHD"
-            layout = _deterministic_layout(layout, rope_positions)
+            layout = _deterministic_layout(layout, variant, rope_positions)
             levels = (layout,)
         args = (num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout)
         # The very objects the previous step passed were checked then (identity, not equality: 4.0 == 4).
@@ -385,9 +396,8 @@ class BatchAttention:
             level_variant = _level_variant(layout, i, variant)
             previous_spec = self._specs[i] if same and i < len(self._specs) else None
             # A level is a BSRLayout (see _levels).
-            if previous_spec is not None and _reusable(previous_spec, level_variant):
-                spec = AttentionSpec(level, *_spec_args(previous_spec))
-            else:
+            spec = None if previous_spec is None else spec_like(previous_spec, level, level_variant)
+            if spec is None:
                 spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, level_variant, q_dtype, kv_dtype,
                                  kv_layout)
             spec = _positioned(layout, i, spec, rope_positions)
@@ -399,15 +409,14 @@ class BatchAttention:
             if num_ctas is not None:
                 options.update(num_ctas=num_ctas, min_split_size=1, kv_align=1, busy_ctas=num_ctas)
             # A layout's lengths were checked when it was built: only the options are checked here.
-            work_plan = scheduler._plan_valid(level.qo_lens, level.kv_lens,
-                                              fixed_split_size=fixed_split_size if split is None else split,
+            work_plan = scheduler.plan_layout(level, fixed_split_size=fixed_split_size if split is None else split,
                                               disable_split_kv=disable_split_kv, **options)
             previous = self._runners[i] if i < len(self._runners) else None
             runners.append(self.backend.make_runner(spec, work_plan, previous=previous))
             specs.append(spec)
         self._args, self._specs, self._runners = args, specs, runners
         self._checks, self._slots_of = checks or specs, slots_of
-        self._passed = None
+        self._passed.forget()
 
     @property
     def work_plans(self) -> list[WorkPlan]:
@@ -458,23 +467,25 @@ class BatchAttention:
             raise RuntimeError("BatchAttention.run called before plan()")
         # A serving loop calls run with the same buffers again and again: the checks read only what the key
         # holds, so arguments with the last passing call's key pass them too.
-        key = _run_key(q, k, v, out, lse, return_lse, k_scale, v_scale)
-        if key is None or key != self._passed:
-            run_kwargs = dict(k_scale=k_scale, v_scale=v_scale)
+        run_kwargs = dict(k_scale=k_scale, v_scale=v_scale)
+
+        def check():
             for spec in self._checks:
                 spec.check_run(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
-            self._passed = key
-            self._call = self._bind(q, k, v, out, lse, return_lse, run_kwargs)
-        return self._call(q, k, v, out, lse)
+            return self._bind(q, k, v, out, lse, return_lse, run_kwargs)
+
+        call = self._passed.get(run_key(q, k, v, out, lse, return_lse, k_scale, v_scale), check)
+        return call(q, k, v, out, lse)
 
     def _bind(self, q, k, v, out, lse, return_lse, run_kwargs):
         """``call(q, k, v, out, lse)``: :meth:`run` with these keyword arguments, for arguments of these kinds (what
-        the check key holds). A plain layout's runner that can bind a call (``Runner.bind``: the torch tier) does
-        the work that follows from the kinds once, here; the rest run the whole call each time."""
+        the check key holds). A plain layout's runner that can bind a call (:attr:`Backend.binds_runs`: the torch
+        tier's shipped kernel) does the work that follows from the kinds once, here; the rest run the whole call
+        each time."""
         variant = self._specs[-1].variant
         runner = self._runners[0]
         single = len(self._runners) == 1 and variant.sinks is None
-        if single and self._slots_of is None and hasattr(runner, "bind"):
+        if single and self._slots_of is None and self.backend.binds_runs:
             call = runner.bind(q, k, v, out=out, lse=lse, return_lse=return_lse, **run_kwargs)
             if return_lse:
                 return call
@@ -491,134 +502,3 @@ class BatchAttention:
             return (o, s) if return_lse else o
 
         return general
-
-
-def _run_key(q, k, v, out, lse, return_lse, k_scale, v_scale) -> tuple | None:
-    """What :meth:`AttentionSpec.check_run` reads of ``run``'s arguments: each array's type, shape, dtype and
-    device (and a NumPy buffer's writability), the flag and the scales with their types (``True`` equals 1 but
-    is refused as a scale); None when an argument is not an array."""
-    try:
-        return (_array_key(q), _array_key(k), _array_key(v), _array_key(out), _array_key(lse), return_lse,
-                type(k_scale), k_scale, type(v_scale), v_scale)
-    except AttributeError:  # not an array: the checks say what it is
-        return None
-
-
-def _array_key(x) -> tuple | None:
-    if x is None:
-        return None
-    return type(x), x.shape, x.dtype, getattr(x, "device", None), getattr(x, "flags", _WRITABLE).writeable
-
-
-class _Writable:
-    writeable = True
-
-
-_WRITABLE = _Writable()  # the flags of an array that has none (a torch tensor): writable
-
-
-def _check_floats(**states):
-    """Raise unless each of ``states`` is an array of real floats (not ints, bools or complex numbers)."""
-    for name, x in states.items():
-        check_array(name, x)
-        if dtype_name(x) not in FLOAT_DTYPES:
-            raise TypeError(f"{name} has dtype {dtype_name(x)}; attention states are real floats of one of the "
-                            f"dtypes {FLOAT_DTYPES}")
-
-
-def _check_state(name_o, o, name_lse, lse):
-    if len(shape_of(o)) < 2 or shape_of(lse) != shape_of(o)[:-1]:
-        raise ValueError(f"{name_o} has shape {shape_of(o)} and {name_lse} {shape_of(lse)}: "
-                         f"need {name_o} [..., H, D] and {name_lse} [..., H]")
-
-
-def merge_state(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *,
-                backend: str | Backend | None = None) -> tuple[Array, Array]:
-    """The ⊕ operator: merge two attention states over disjoint keys. See :mod:`bsrattn.reference.merge`.
-
-    ``o_a``, ``o_b`` ``[..., H, D]`` and ``lse_a``, ``lse_b`` ``[..., H]`` are arrays of real floats (float64,
-    float32, float16, bfloat16); anything else, an integer, bool or complex array included, raises
-    ``TypeError`` naming it, before any tier is called.
-
-    An empty state (``lse = -inf``) is the identity whatever its ``o`` holds, NaN included; an ``lse`` of NaN
-    or ``+inf`` in either state gives NaN ``o`` and ``lse``; a NaN in a non-empty state's ``o`` reaches the
-    result. The same on every tier.
-
-    Parameters
-    ----------
-    o_a, o_b : arrays, ``[..., H, D]``
-        The two states' outputs, of one shape.
-    lse_a, lse_b : arrays, ``[..., H]``
-        Their log-sum-exps, natural log.
-    backend : str or Backend, optional
-        The tier that merges; default: the flag (see :mod:`bsrattn.backends`).
-
-    Returns
-    -------
-    (o, lse)
-        The merged state: ``o [..., H, D]``, ``lse [..., H]``, of the inputs' array kind.
-
-    Raises
-    ------
-    TypeError
-        An input that is not an array of real floats.
-    ValueError
-        ``lse_a``/``lse_b`` not ``o_a``/``o_b``'s shape without its last axis, or ``o_a`` and ``o_b`` of
-        different shapes.
-
-    Examples
-    --------
-    >>> import numpy as np, bsrattn as ba
-    >>> o, s = ba.merge_state(np.ones((1, 1, 2)), np.zeros((1, 1)), 3 * np.ones((1, 1, 2)), np.zeros((1, 1)))
-    >>> o.tolist(), np.round(s, 4).tolist()
-    ([[[2.0, 2.0]]], [[0.6931]])
-    """
-    _check_floats(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
-    _check_state("o_a", o_a, "lse_a", lse_a)
-    _check_state("o_b", o_b, "lse_b", lse_b)
-    if shape_of(o_a) != shape_of(o_b):
-        raise ValueError(f"o_a {shape_of(o_a)} and o_b {shape_of(o_b)} must have the same shape")
-    return get_backend(backend).merge_state(o_a, lse_a, o_b, lse_b)
-
-
-def merge_states(o: Array, lse: Array, *, backend: str | Backend | None = None) -> tuple[Array, Array]:
-    """Fold ``o [n, S, H, D]``, ``lse [n, S, H]`` over ``S`` in index order. See :mod:`bsrattn.reference.merge`.
-
-    The fold is ``((s_0 ⊕ s_1) ⊕ s_2) ⊕ …``, always in that order, on every tier (see :func:`merge_state`).
-    ``o`` and ``lse`` must be arrays of real floats, as in :func:`merge_state`.
-
-    Parameters
-    ----------
-    o : array, ``[n, S, H, D]``
-        ``S`` states' outputs for each of ``n`` rows.
-    lse : array, ``[n, S, H]``
-        Their log-sum-exps, natural log.
-    backend : str or Backend, optional
-        The tier that merges; default: the flag (see :mod:`bsrattn.backends`).
-
-    Returns
-    -------
-    (o, lse)
-        The folded state: ``o [n, H, D]``, ``lse [n, H]``.
-
-    Raises
-    ------
-    TypeError
-        ``o`` or ``lse`` not an array of real floats.
-    ValueError
-        Shapes other than ``[n, S, H, D]`` and ``[n, S, H]``, or ``S == 0``.
-
-    Examples
-    --------
-    >>> import numpy as np, bsrattn as ba
-    >>> o = np.stack([np.full((1, 1, 2), x) for x in (1.0, 2.0, 6.0)], axis=1)   # [n=1, S=3, H=1, D=2]
-    >>> out, lse = ba.merge_states(o, np.zeros((1, 3, 1)))                        # three equal-weight states
-    >>> out.tolist(), bool(np.isclose(lse[0, 0], np.log(3)))
-    ([[[3.0, 3.0]]], True)
-    """
-    _check_floats(o=o, lse=lse)
-    if len(shape_of(o)) != 4 or shape_of(lse) != shape_of(o)[:3]:
-        raise ValueError(f"merge_states needs o [n, S, H, D] and lse [n, S, H]; got {shape_of(o)} and {shape_of(lse)}")
-    if shape_of(o)[1] == 0:
-        raise ValueError("merge_states needs at least one state (S >= 1)")
-    return get_backend(backend).merge_states(o, lse)

@@ -11,6 +11,9 @@ A backend is a module implementing execution: the functions named in :data:`TIER
 5. ``"reference"``.
 
 ``"auto"`` means the torch tier when a CUDA GPU and Triton are present, else the reference.
+
+A GPU tier runs one of two kernels (``kernel=``, see :data:`KERNELS`): ``"shipped"``, its serving kernels, or
+``"core"``, the paper's kernel at teaching size (the tier's ``core`` module), held to the same tests.
 """
 
 from __future__ import annotations
@@ -62,40 +65,86 @@ class BackendError(RuntimeError):
 TIER_FUNCTIONS = ("attention", "merge_state", "merge_states", "add_states", "plan_options", "make_runner")
 """What a tier's module provides: the functions :class:`Backend` calls, and nothing else of the module."""
 
+KERNEL_FUNCTIONS = ("attention", "plan_options", "make_runner")
+"""What a tier's ``core`` module provides: the functions that run a kernel (the merges stay the tier's)."""
+
+TIER_FLAGS = {"FOLDS_PRIOR": False, "BINDS_RUNS": False, "KERNELS": ("shipped",)}
+"""What a tier module may declare of itself, with the default for a module that declares nothing; read and
+checked once, when the tier loads:
+
+- ``FOLDS_PRIOR`` (bool): its ``attention`` and runners' ``run`` take ``prior=(o, lse)``, a state of the same
+  query rows folded in by the kernel before it writes (a Cascade's earlier levels, :mod:`bsrattn.api`);
+- ``BINDS_RUNS`` (bool): its runners have ``bind(q, k, v, *, out, lse, return_lse, k_scale, v_scale) ->
+  call(q, k, v, out, lse)``, the work that follows from the arguments' kinds done once for a serving loop;
+- ``KERNELS`` (tuple): the kernels it runs, of :data:`KERNELS`; ``"core"`` means it has a ``core`` module
+  providing :data:`KERNEL_FUNCTIONS`, which neither folds a prior state nor binds runs."""
+
+KERNELS = ("shipped", "core")
+"""The kernels a tier may run: ``"shipped"`` (the default), its serving kernels; ``"core"``, the paper's kernel at
+teaching size (``numba_cuda/core.py``, ``torch_cuda/core.py``)."""
+
 
 class Backend:
     """A named tier: a handle on its module, which must provide each of :data:`TIER_FUNCTIONS`.
 
     The methods below are the whole interface between the shared code and a tier; each calls the module's
-    function of the same name. The inputs were validated before a method is called (see :mod:`bsrattn.api`).
+    function of the same name (``attention``, ``plan_options`` and ``make_runner``: the ``core`` module's, with
+    ``kernel="core"``). The inputs were validated before a method is called (see :mod:`bsrattn.api`).
 
     Parameters
     ----------
     name : str
         The tier's name, as :data:`REGISTRY` lists it.
     module : module
-        The tier's module, providing each of :data:`TIER_FUNCTIONS`.
+        The tier's module, providing each of :data:`TIER_FUNCTIONS`, declaring :data:`TIER_FLAGS` or not.
+    kernel : {"shipped", "core"}
+        Which of the tier's kernels runs (:data:`KERNELS`); the tier must declare it.
 
     Raises
     ------
     TypeError
-        ``module`` lacks one of :data:`TIER_FUNCTIONS` (the message names the tier and what is missing).
+        ``module`` lacks one of :data:`TIER_FUNCTIONS` or declares a flag of the wrong type, or its ``core``
+        lacks one of :data:`KERNEL_FUNCTIONS` (the message names the tier and what is missing).
+    ValueError
+        A ``kernel`` that is not one of the tier's.
 
     Examples
     --------
     >>> import bsrattn as ba
     >>> be = ba.get_backend("reference")
-    >>> be.name, callable(be.merge_state)
-    ('reference', True)
+    >>> be.name, be.kernel, callable(be.merge_state)
+    ('reference', 'shipped', True)
     """
 
-    def __init__(self, name: str, module: ModuleType) -> None:
+    def __init__(self, name: str, module: ModuleType, kernel: str = "shipped") -> None:
         missing = [f for f in TIER_FUNCTIONS if not callable(getattr(module, f, None))]
         if missing:
             raise TypeError(f"backend {name!r} ({getattr(module, '__name__', module)!r}) does not provide "
                             f"{missing}; a tier provides each of {list(TIER_FUNCTIONS)}")
+        flags = {flag: getattr(module, flag, default) for flag, default in TIER_FLAGS.items()}
+        for flag, value in flags.items():
+            if type(value) is not type(TIER_FLAGS[flag]):
+                raise TypeError(f"backend {name!r}: {flag} is {value!r}; a tier declares it as a "
+                                f"{type(TIER_FLAGS[flag]).__name__}")
+        if not set(flags["KERNELS"]) <= set(KERNELS) or "shipped" not in flags["KERNELS"]:
+            raise TypeError(f"backend {name!r}: KERNELS is {flags['KERNELS']!r}; a tier runs 'shipped' and may run "
+                            f"others of {list(KERNELS)}")
+        if not isinstance(kernel, str) or kernel not in KERNELS:
+            raise ValueError(f"unknown kernel={kernel!r}; choose from {list(KERNELS)}")
+        if kernel not in flags["KERNELS"]:
+            raise ValueError(f"kernel={kernel!r}: the {name!r} tier runs only {list(flags['KERNELS'])}")
         self.name = name
         self.module = module
+        self.kernel = kernel
+        self._runs = module
+        if kernel == "core":  # the teaching kernel: it folds no prior state and binds no runs
+            self._runs = importlib.import_module(f"{module.__name__}.core")
+            missing = [f for f in KERNEL_FUNCTIONS if not callable(getattr(self._runs, f, None))]
+            if missing:
+                raise TypeError(f"backend {name!r}: its core ({self._runs.__name__!r}) does not provide {missing}")
+            flags.update(FOLDS_PRIOR=False, BINDS_RUNS=False)
+        self._folds_prior = flags["FOLDS_PRIOR"]
+        self._binds_runs = flags["BINDS_RUNS"]
 
     def attention(self, spec: AttentionSpec, q: Array, k: Array, v: Array, *, out: Array | None = None,
                   lse: Array | None = None, return_lse: bool = False, k_scale: float | None = None,
@@ -130,18 +179,24 @@ class Backend:
             ``lse`` is None unless ``return_lse``.
         """
         if prior is not None and not self.folds_prior:
-            raise ValueError(f"prior: the {self.name!r} tier's kernel folds no prior state; run without it and fold "
-                             f"the states with merge_state")
-        folded = {} if prior is None else {"prior": prior}  # a tier that folds none takes no such argument
-        return self.module.attention(spec, q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale,
-                                     v_scale=v_scale, **folded)
+            raise ValueError(f"prior: the {self.name!r} tier's {self.kernel} kernel folds no prior state; run "
+                             f"without it and fold the states with merge_state")
+        folded = {} if prior is None else {"prior": prior}  # a kernel that folds none takes no such argument
+        return self._runs.attention(spec, q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale,
+                                    v_scale=v_scale, **folded)
 
     @property
     def folds_prior(self) -> bool:
-        """Whether the tier's ``attention`` and runners' ``run`` take ``prior=(o, lse)``, a state of the same query
-        rows that the kernel folds in before writing (the module sets ``FOLDS_PRIOR``): a Cascade's levels are
+        """Whether the kernel's ``attention`` and runners' ``run`` take ``prior=(o, lse)``, a state of the same
+        query rows that it folds in before writing (``FOLDS_PRIOR``, :data:`TIER_FLAGS`): a Cascade's levels are
         then merged without a launch of their own (:mod:`bsrattn.api`)."""
-        return bool(getattr(self.module, "FOLDS_PRIOR", False))
+        return self._folds_prior
+
+    @property
+    def binds_runs(self) -> bool:
+        """Whether the kernel's runners have ``bind`` (``BINDS_RUNS``, :data:`TIER_FLAGS`):
+        :meth:`bsrattn.BatchAttention.run` then does the work that follows from its arguments' kinds once."""
+        return self._binds_runs
 
     def merge_state(self, o_a: Array, lse_a: Array, o_b: Array, lse_b: Array) -> tuple[Array, Array]:
         """The ⊕ of two states ``o [..., H, D]``, ``lse [..., H]``: ``(o, lse)``.
@@ -206,7 +261,7 @@ class Backend:
         dict
             The keyword arguments, by name.
         """
-        return self.module.plan_options(spec)
+        return self._runs.plan_options(spec)
 
     def make_runner(self, spec: AttentionSpec, work_plan: WorkPlan, previous: Any = None) -> Any:
         """An object with ``work_plan`` and ``run(q, k, v, *, out, lse, return_lse, k_scale, v_scale) -> (out,
@@ -227,10 +282,10 @@ class Backend:
         runner
             The tier's runner object.
         """
-        return self.module.make_runner(spec, work_plan, previous=previous)
+        return self._runs.make_runner(spec, work_plan, previous=previous)
 
     def __repr__(self):
-        return f"Backend({self.name!r})"
+        return f"Backend({self.name!r})" if self.kernel == "shipped" else f"Backend({self.name!r}, {self.kernel!r})"
 
 
 def _cuda_torch_available() -> bool:
@@ -270,14 +325,17 @@ def current_backend_name() -> str:
     return _scoped.get() or _global or os.environ.get("BSRATTN_BACKEND") or "reference"
 
 
-def get_backend(name: str | Backend | None = None) -> Backend:
-    """The :class:`Backend` for ``name`` (a name, a Backend, or None for the flag's current choice).
+def get_backend(name: str | Backend | None = None, kernel: str | None = None) -> Backend:
+    """The :class:`Backend` for ``name`` (a name, a Backend, or None for the flag's current choice) running
+    ``kernel``.
 
     Parameters
     ----------
     name : str or Backend, optional
         ``"reference"``, ``"numba"``, ``"torch"`` or ``"auto"``; a Backend is returned as it is; None: the
         flag's current choice.
+    kernel : {"shipped", "core"}, optional
+        The tier's kernel (:data:`KERNELS`); None: a Backend's own, else ``"shipped"``.
 
     Returns
     -------
@@ -289,7 +347,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     TypeError
         ``name`` neither a str, a Backend nor None.
     ValueError
-        An unknown name.
+        An unknown name, or a ``kernel`` the tier does not run (``"core"`` on the reference tier).
     BackendError
         A tier whose dependency is not installed (the message names the install command).
 
@@ -300,8 +358,15 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     Backend('reference')
     """
     if isinstance(name, Backend):
-        return name
+        if kernel is None or kernel == name.kernel:
+            return name
+        return Backend(name.name, name.module, kernel)
     resolved = _resolve_name(current_backend_name() if name is None else name)
+    if kernel is not None and kernel != "shipped":
+        key = (resolved, kernel)
+        if key not in _loaded:
+            _loaded[key] = Backend(resolved, get_backend(resolved).module, kernel)
+        return _loaded[key]
     if resolved not in _loaded:
         for dep in _REQUIREMENTS.get(resolved, ((), ""))[0]:
             if importlib.util.find_spec(dep.split(".")[0]) is None:

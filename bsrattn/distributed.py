@@ -75,8 +75,10 @@ except ImportError as err:
     raise ImportError("bsrattn.distributed needs torch: pip install 'bsrattn[torch]'") from err
 
 from bsrattn import indexing, layouts
-from bsrattn.api import BatchAttention, merge_states
-from bsrattn.layout import BSRLayout, as_index_array, as_int
+from bsrattn.api import BatchAttention
+from bsrattn.state import merge_states
+from bsrattn.coerce import as_index_array, as_int
+from bsrattn.layout import BSRLayout
 from bsrattn.state import merge_sinks
 from bsrattn.validation import FLOAT_DTYPES, dtype_name, shape_of
 from bsrattn.variant import Variant

@@ -21,7 +21,9 @@ try:
 except ImportError as err:
     raise ImportError("bsrattn.draw needs matplotlib: pip install 'bsrattn[draw]'") from err
 
-from bsrattn.layout import BSRLayout, Cascade
+from bsrattn.indexing import ceil_div
+from bsrattn.cascade import Cascade
+from bsrattn.layout import BSRLayout
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -76,7 +78,7 @@ def _tile_boxes(lay: BSRLayout, mask: np.ndarray, tile_rows: int, tile_cols: int
     """``(x0, y0, width, height)`` of every tile holding a visible pair of ``mask`` (``[nnz_qo, num_slots]``)."""
     boxes = []
     if grid == "pool":
-        rows, cols = -(-mask.shape[0] // tile_rows), -(-mask.shape[1] // tile_cols)
+        rows, cols = ceil_div(mask.shape[0], tile_rows), ceil_div(mask.shape[1], tile_cols)
         padded = np.zeros((rows * tile_rows, cols * tile_cols), dtype=bool)
         padded[:mask.shape[0], :mask.shape[1]] = mask
         occupied = padded.reshape(rows, tile_rows, cols, tile_cols).any(axis=(1, 3))

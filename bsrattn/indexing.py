@@ -63,8 +63,8 @@ def sparse_slot(kv_indices, row_block_start, block_size, i):
     return kv_indices[row_block_start + i // block_size] * block_size + i % block_size
 
 
-def dense_slot(row_slot_start, i):
-    """Pool slot of logical KV slot ``i`` of a row whose KV is contiguous (the affine "dense path").
+def affine_slot(row_slot_start, i):
+    """Pool slot of logical KV slot ``i`` of a row whose KV is contiguous (the affine path).
 
     Parameters
     ----------
@@ -80,7 +80,7 @@ def dense_slot(row_slot_start, i):
     Examples
     --------
     >>> from bsrattn import indexing
-    >>> indexing.dense_slot(40, 3)
+    >>> indexing.affine_slot(40, 3)
     43
     """
     return row_slot_start + i
@@ -218,7 +218,7 @@ def hnd_row(slot, head, num_kv_heads, block_size):
     return (slot // block_size * num_kv_heads + head) * block_size + slot % block_size
 
 
-def tile_query(i, group):
+def tile_query(i, group_size):
     """Query row, counted from the tile's first, of row ``i`` of a GQA tile.
 
     A tile's rows are (query row, query head of the KV head's group) pairs, query-major: row ``i`` is query
@@ -229,7 +229,7 @@ def tile_query(i, group):
     ----------
     i : int or array of int
         Rows of the tile, ``>= 0``.
-    group : int
+    group_size : int
         G, query heads per KV head.
 
     Returns
@@ -243,17 +243,17 @@ def tile_query(i, group):
     >>> indexing.tile_query(np.arange(6), 4).tolist()
     [0, 0, 0, 0, 1, 1]
     """
-    return i // group
+    return i // group_size
 
 
-def tile_head(kv_head, group, i):
+def tile_head(kv_head, group_size, i):
     """Query head of row ``i`` of a GQA tile over KV head ``kv_head`` (see :func:`tile_query`).
 
     Parameters
     ----------
     kv_head : int
         The tile's KV head.
-    group : int
+    group_size : int
         G, query heads per KV head.
     i : int or array of int
         Rows of the tile, ``>= 0``.
@@ -269,4 +269,4 @@ def tile_head(kv_head, group, i):
     >>> indexing.tile_head(1, 4, np.arange(6)).tolist()
     [4, 5, 6, 7, 4, 5]
     """
-    return kv_head * group + i % group
+    return kv_head * group_size + i % group_size

@@ -19,7 +19,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from bsrattn.compiled import Compiled
-from bsrattn.layout import INT32_MAX
+from bsrattn.coerce import INT32_MAX
 
 if TYPE_CHECKING:
     from bsrattn.layout import BSRLayout
@@ -35,7 +35,7 @@ ITEM_FIELDS = (
     "parts_lo", "parts_hi",  # that merge's partials, merge_partials[parts_lo:parts_hi]
     "qo_first", "qo_len", "kv_len",  # the block row's first query row and lengths
     "block_start",  # kv_indptr of the block row
-    "first_slot",  # first pool slot when the row's blocks are consecutive (the dense path), else -1
+    "first_slot",  # first pool slot when the row's blocks are consecutive (the affine path), else -1
     "mask_start",  # mask_indptr of the block row (0 without a custom mask: then nothing reads it)
     "row",  # the block row
     "rope_offset",  # fused RoPE's position of the block row's first slot (0 but in a Cascade's later levels)
@@ -58,8 +58,8 @@ _NUM_FIELDS = len(ITEM_FIELDS)
 def first_slots(first_slot: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray, block_size: int) -> bool:
     """``first_slot[r]`` <- the first pool slot of row ``r`` when its blocks are consecutive pool blocks, else -1.
 
-    Such a row's logical slot ``i`` is pool slot ``first_slot[r] + i`` (the dense path,
-    :func:`bsrattn.indexing.dense_slot`); every other row, an empty one too, takes the sparse path through
+    Such a row's logical slot ``i`` is pool slot ``first_slot[r] + i`` (the affine path,
+    :func:`bsrattn.indexing.affine_slot`); every other row, an empty one too, takes the sparse path through
     ``kv_indices``. The last block's ``kv_last_len`` only shortens the run.
 
     Parameters
@@ -74,23 +74,23 @@ def first_slots(first_slot: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.nd
     Returns
     -------
     bool
-        Whether any row is dense.
+        Whether any row takes the affine path.
     """
-    any_dense = False
+    any_affine = False
     for r in range(kv_indptr.size - 1):
         start = kv_indptr[r]
         end = kv_indptr[r + 1]
         first_slot[r] = -1
         if end > start:
-            dense = True
+            affine = True
             for i in range(start + 1, end):
                 if kv_indices[i] != kv_indices[i - 1] + 1:
-                    dense = False  # scattered pages fail at the first step: the scan is short
+                    affine = False  # scattered pages fail at the first step: the scan is short
                     break
-            if dense:
+            if affine:
                 first_slot[r] = kv_indices[start] * block_size
-                any_dense = True
-    return any_dense
+                any_affine = True
+    return any_affine
 
 
 def pack_items(items: np.ndarray, item_row: np.ndarray, item_qo_start: np.ndarray, item_qo_end: np.ndarray,

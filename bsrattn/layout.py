@@ -14,117 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from bsrattn import indexing
+from bsrattn.coerce import INT32_MAX, as_index_array, as_int, indptr_of
 
-INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
-"""The int32 range: ids, lengths and offsets that every tier indexes with int32 must fit it."""
-
-
-class _Variant(Protocol):
-    """What a layout reads of a :class:`~bsrattn.Variant`, which it cannot import (:mod:`bsrattn.variant` imports
-    this module)."""
-
-    alibi_slopes: tuple | None
-    window_left: int
-
-    def position_mask(self, qo_len: int, kv_len: int) -> np.ndarray: ...
-
-
-_V = TypeVar("_V", bound=_Variant)
-
-
-def as_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a Python int: a Python or NumPy integer, never a bool or a float (not even ``2.0``).
-
-    ``minimum``/``maximum`` bound it (inclusive); a value outside raises ``ValueError`` naming ``name``.
-
-    Parameters
-    ----------
-    name : str
-        The argument's name, for the error messages.
-    value : int
-        The value to check.
-    minimum, maximum : int, optional
-        Inclusive bounds; None: unbounded.
-
-    Returns
-    -------
-    int
-
-    Raises
-    ------
-    TypeError
-        ``value`` not a Python or NumPy integer (a bool, a float, anything else).
-    ValueError
-        ``value`` outside ``minimum..maximum``.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
-    return value
-
-
-def as_index_array(name: str, values: ArrayLike) -> np.ndarray:
-    """``values`` as a NumPy integer array whose entries fit in int32, or ``TypeError``/``ValueError`` naming ``name``.
-
-    Only integers are accepted (Python ints, NumPy integer arrays): floats are refused, even integral ones
-    like ``2.0``, so that a fractional or NaN id is never truncated; bools and strings are refused too.
-
-    Parameters
-    ----------
-    name : str
-        The argument's name, for the error messages.
-    values : array_like of int
-        A rectangular (nested) sequence or array of integers, of any shape.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``values``' integer array (its own dtype; int64 for an empty sequence).
-
-    Raises
-    ------
-    TypeError
-        An entry that is not an integer.
-    ValueError
-        A ragged nested sequence, or an entry outside int32.
-    """
-    try:
-        arr = np.asarray(values)
-    except ValueError as err:  # a ragged nested sequence
-        raise ValueError(f"{name} must be a rectangular array of integers: {err}") from None
-    if arr.dtype.kind not in "iu" and arr.size:
-        if arr.dtype.kind == "O" and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in arr.flat):
-            # Python ints too large for any NumPy integer type: NumPy keeps them as objects.
-            _out_of_int32(name, arr, [not INT32_MIN <= x <= INT32_MAX for x in arr.flat])
-        flat = arr.reshape(-1)
-        at = 0  # the first offending entry
-        if arr.dtype.kind == "O":
-            at = next(i for i, x in enumerate(flat) if isinstance(x, bool) or not isinstance(x, (int, np.integer)))
-        elif arr.dtype.kind == "f":
-            at = int(np.argmax(~np.isfinite(flat) | (flat != np.trunc(flat))))
-        value = flat[at].item() if isinstance(flat[at], np.generic) else flat[at]
-        integral = arr.dtype.kind == "f" and float(value).is_integer()
-        raise TypeError(f"{name} must hold integers, got {value!r}"
-                        + (" (floats are refused, even integral ones)" if integral else ""))
-    if arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
-        _out_of_int32(name, arr, (arr < INT32_MIN) | (arr > INT32_MAX))
-    return arr if arr.dtype.kind in "iu" else arr.astype(np.int64)  # an empty sequence is float64 to NumPy
-
-
-def _out_of_int32(name, arr, outside):
-    at = np.unravel_index(int(np.argmax(np.reshape(outside, -1))), arr.shape)
-    raise ValueError(f"{name} must fit in int32 ({INT32_MIN}..{INT32_MAX}), got {name}[{', '.join(map(str, at))}]="
-                     f"{arr[at]}")
+if TYPE_CHECKING:
+    from bsrattn.variant import Variant
 
 
 def _as_int32_field(name, values):
@@ -145,24 +44,6 @@ def _check_indptr(name, indptr, length=None):
         raise ValueError(f"{name} must be non-decreasing; {name}[{r}]={indptr[r]} > {name}[{r + 1}]={indptr[r + 1]}")
     if length is not None and indptr[-1] != length:
         raise ValueError(f"{name}[-1]={indptr[-1]} must equal {length}")
-
-
-def indptr_of(lengths: ArrayLike) -> np.ndarray:
-    """``[len(lengths)+1]`` int64: the indptr of rows of these ``lengths``, ``0, l_0, l_0+l_1, …``.
-
-    Parameters
-    ----------
-    lengths : array_like of int, ``[R]``
-        Each row's length (not checked).
-
-    Returns
-    -------
-    numpy.ndarray
-        ``[R+1]`` int64 offsets.
-    """
-    out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -227,6 +108,8 @@ class BSRLayout:
                              f"(at most {INT32_MAX})")
         for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_len"):
             set_(self, name, _as_int32_field(name, getattr(self, name)))
+        if self.qo_indptr.size == 0:
+            raise ValueError("qo_indptr is empty; it must be [R+1], starting at 0 (a layout of no rows is [0])")
         num_rows = self.qo_indptr.size - 1
         if self.kv_indptr.size != num_rows + 1:
             raise ValueError(f"kv_indptr has shape {self.kv_indptr.shape}, qo_indptr {self.qo_indptr.shape}: "
@@ -357,7 +240,7 @@ class BSRLayout:
         lo, hi = self._mask_indptr[r], self._mask_indptr[r + 1]
         return self.custom_mask[lo:hi].reshape(int(self.qo_lens[r]), int(self.kv_lens[r]))
 
-    def to_dense_mask(self, variant: _Variant | None = None) -> np.ndarray:
+    def to_dense_mask(self, variant: Variant | None = None) -> np.ndarray:
         """``[nnz_qo, num_slots]`` bool: which pool slot each query row attends.
 
         Combines the block structure, ``kv_last_len``, the custom mask and, when a ``variant`` is given,
@@ -546,171 +429,3 @@ class ReadAmplification:
     def ratio(self) -> float:
         """``read / needed`` (1.0 when nothing is needed)."""
         return self.read / self.needed if self.needed else 1.0
-
-
-@dataclass(frozen=True, eq=False)
-class Cascade:
-    """Levels of one attention whose states merge with ⊕ (composable formats).
-
-    Every level has the same query rows (``nnz_qo``) and reads the same KV pool; level ``l`` covers a
-    disjoint part of each query's keys. The attention over the cascade is the ⊕-fold of the levels' states
-    in level order. Levels before the last precede every query (a shared prefix), so position masks apply
-    only within the last level. Fused RoPE turns queries and keys at their positions in the whole sequence
-    (:meth:`rope_positions`); ALiBi and sliding windows, which would mask or bias the earlier levels per query,
-    are rejected.
-
-    Parameters
-    ----------
-    levels : sequence of BSRLayout
-        The levels, in merge order; all over the same queries and the same KV pool.
-
-    Examples
-    --------
-    >>> import bsrattn as ba
-    >>> prefix = ba.layouts.paged([2], [[0]], kv_lens=[4], page_size=4, num_pages=3)      # both queries, one row
-    >>> suffix = ba.layouts.paged([1, 1], [[1], [2]], kv_lens=[2, 3], page_size=4, num_pages=3)
-    >>> cascade = ba.Cascade((prefix, suffix))
-    >>> cascade.nnz_qo, cascade.flatten().kv_lens.tolist()
-    (2, [6, 7])
-    """
-
-    levels: tuple
-
-    def __post_init__(self):
-        levels = tuple(self.levels)
-        if not levels:
-            raise ValueError("a Cascade needs at least one level")
-        for i, level in enumerate(levels):
-            if not isinstance(level, BSRLayout):
-                raise TypeError(f"levels[{i}] must be a BSRLayout, got {type(level).__name__}")
-            if level.nnz_qo != levels[0].nnz_qo:
-                raise ValueError(f"levels[{i}] has nnz_qo={level.nnz_qo}, levels[0] has {levels[0].nnz_qo}")
-            if level.num_slots != levels[0].num_slots:
-                raise ValueError(f"levels[{i}] addresses {level.num_slots} pool slots, "
-                                 f"levels[0] {levels[0].num_slots}: "
-                                 f"levels must share one KV pool")
-            if level.custom_mask is not None:
-                raise ValueError(f"levels[{i}] has a custom_mask; cascade levels take position masks only")
-        object.__setattr__(self, "levels", levels)
-
-    @property
-    def nnz_qo(self) -> int:
-        """Query rows, the same in every level."""
-        return self.levels[0].nnz_qo
-
-    @property
-    def num_slots(self) -> int:
-        """KV slots of the pool the levels share."""
-        return self.levels[0].num_slots
-
-    def level_variant(self, level: int, variant: _V) -> _V:
-        """The variant level ``level`` runs with: levels before the last see all their keys.
-
-        Parameters
-        ----------
-        level : int
-            The level's index in ``levels``.
-        variant : Variant
-            The cascade's variant.
-
-        Returns
-        -------
-        Variant
-            ``variant`` for the last level; for the others, ``variant`` without its causal mask.
-
-        Raises
-        ------
-        ValueError
-            ``variant`` has ALiBi slopes or a sliding window.
-        """
-        from dataclasses import replace
-
-        if variant.alibi_slopes is not None or variant.window_left >= 0:
-            raise ValueError("Cascade does not support alibi_slopes or window_left: they would bias or mask the "
-                             "earlier levels' keys per query; use the flattened layout (Cascade.flatten())")
-        return variant if level == len(self.levels) - 1 else replace(variant, causal=False)
-
-    def rope_positions(self, level: int) -> tuple[np.ndarray, np.ndarray]:
-        """Where fused RoPE turns level ``level``'s queries and keys: at their positions in the whole sequence.
-
-        A query's keys are its rows' keys of every level in level order, as in :meth:`flatten`: its position is
-        ``K - qo_len + i`` for ``K`` its keys in all levels and ``i`` its place among the ``qo_len`` queries of its
-        last-level row, and slot ``j`` of a level's row sits at ``j`` plus the keys of the earlier levels.
-
-        Parameters
-        ----------
-        level : int
-            The level's index in ``levels``.
-
-        Returns
-        -------
-        q_positions : numpy.ndarray
-            ``[nnz_qo]`` int64, each query's position.
-        kv_offsets : numpy.ndarray
-            ``[R]`` int64 for the level's ``R`` rows: the position of each row's first slot.
-
-        Raises
-        ------
-        ValueError
-            A level's row whose queries have different numbers of earlier-level keys (its slots would sit at
-            a different position for each), or positions past int32.
-
-        Examples
-        --------
-        >>> import bsrattn as ba
-        >>> c = ba.layouts.shared_prefix([1, 2], [0], 4, [[1], [2]], [3, 5], page_size=8, num_pages=3)
-        >>> [p.tolist() for p in c.rope_positions(0)], [p.tolist() for p in c.rope_positions(1)]
-        ([[6, 7, 8], [0]], [[6, 7, 8], [4, 4]])
-        """
-        level = as_int("level", level, minimum=0, maximum=len(self.levels) - 1)
-
-        def keys_before(upto):  # [nnz_qo]: each query's keys in the levels before level ``upto``
-            zero = np.zeros(self.nnz_qo, np.int64)
-            return sum((np.repeat(lv.kv_lens, lv.qo_lens) for lv in self.levels[:upto]), zero)
-
-        q_positions = keys_before(len(self.levels) - 1) + self.levels[-1].query_positions
-        if q_positions.size and int(q_positions.max()) > INT32_MAX:
-            raise ValueError(f"a query sits at position {int(q_positions.max())}, past int32 (the GPU kernels' index)")
-        lay, before = self.levels[level], keys_before(level)
-        kv_offsets = np.zeros(lay.num_rows, dtype=np.int64)
-        for r in np.flatnonzero(lay.qo_lens):
-            seen = before[lay.qo_indptr[r]:lay.qo_indptr[r + 1]]
-            if np.any(seen != seen[0]):
-                raise ValueError(f"levels[{level}] row {r} holds queries with {int(seen.min())} and {int(seen.max())} "
-                                 f"keys in the levels before it: fused RoPE needs one position per slot")
-            kv_offsets[r] = seen[0]
-        return q_positions, kv_offsets
-
-    def flatten(self) -> BSRLayout:
-        """The same attention as one ``block_size=1`` layout: each query's slots from every level in order.
-
-        Requires each level's rows to cover contiguous runs of queries so that a query's row in every level
-        is well defined; the flattened layout has one row per query row of the last level's rows.
-
-        Returns
-        -------
-        BSRLayout
-            ``block_size=1``, over the same pool.
-
-        Raises
-        ------
-        ValueError
-            Queries of one last-level row that see different earlier-level keys.
-        """
-        last = self.levels[-1]
-        slots_per_query = [[] for _ in range(self.nnz_qo)]
-        for level in self.levels:
-            for r in range(level.num_rows):
-                slots = level.kv_slots(r)
-                for qi in range(level.qo_indptr[r], level.qo_indptr[r + 1]):
-                    slots_per_query[qi].append(slots)
-        rows_qo, rows_kv = [], []
-        for r in range(last.num_rows):
-            lo, hi = int(last.qo_indptr[r]), int(last.qo_indptr[r + 1])
-            prefixes = [np.concatenate(slots_per_query[qi][:-1]) if len(slots_per_query[qi]) > 1
-                        else np.zeros(0, np.int64) for qi in range(lo, hi)]
-            if any(not np.array_equal(p, prefixes[0]) for p in prefixes[1:]):
-                raise ValueError(f"queries of last-level row {r} see different earlier-level keys")
-            rows_qo.append(hi - lo)
-            rows_kv.append(np.concatenate([prefixes[0], last.kv_slots(r)]) if prefixes else last.kv_slots(r))
-        return BSRLayout.from_slots(rows_kv, rows_qo, self.num_slots)

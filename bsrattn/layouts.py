@@ -24,23 +24,12 @@ from numpy.typing import ArrayLike
 
 from bsrattn import indexing
 from bsrattn._types import Array
-from bsrattn.layout import INT32_MAX, BSRLayout, Cascade, as_index_array, as_int, indptr_of
+from bsrattn.cascade import Cascade
+from bsrattn.coerce import INT32_MAX, as_index_array, as_int, as_lengths, indptr_of
+from bsrattn.layout import BSRLayout
 
 __all__ = ["dense", "ragged", "paged", "block_sparse", "vector_sparse", "quest", "tree", "shared_prefix",
            "per_head_views"]
-
-
-def _lengths(name, values, size=None):
-    """``[B]`` lengths as int64: integers in ``0..2**31-1``."""
-    arr = as_index_array(name, values)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D sequence of ints, got shape {arr.shape}")
-    if (arr < 0).any():
-        i = int(np.argmax(arr < 0))
-        raise ValueError(f"{name} must be >= 0, got {name}[{i}]={arr[i]}")
-    if size is not None and arr.size != size:
-        raise ValueError(f"{name} has {arr.size} entries, expected {size}")
-    return arr.astype(np.int64)
 
 
 def _rows(name, values, count, of):
@@ -106,8 +95,8 @@ def ragged(qo_lens: ArrayLike, kv_lens: ArrayLike) -> BSRLayout:
     >>> ba.layouts.ragged([2, 1], [5, 3]).kv_slots(1).tolist()
     [5, 6, 7]
     """
-    kv_lens = _lengths("kv_lens", kv_lens)
-    qo_lens = _lengths("qo_lens", qo_lens, kv_lens.size)
+    kv_lens = as_lengths("kv_lens", kv_lens)
+    qo_lens = as_lengths("qo_lens", qo_lens, kv_lens.size, "kv_lens")
     _check_total("qo_lens", qo_lens)
     total = _check_total("kv_lens", kv_lens)  # before the [sum(kv_lens)] indices are made
     return BSRLayout(indptr_of(qo_lens), indptr_of(kv_lens), np.arange(total), np.minimum(kv_lens, 1), 1, total)
@@ -183,8 +172,8 @@ def paged(qo_lens: ArrayLike, page_tables: Sequence[ArrayLike], kv_lens: ArrayLi
 
 def _paged(qo_lens, page_tables, kv_lens, page_size, num_pages, tables_name="page_tables", lens_name="kv_lens"):
     """:func:`paged`, its errors naming the caller's arguments (:func:`shared_prefix` passes its own names)."""
-    kv_lens = _lengths(lens_name, kv_lens)
-    qo_lens = _lengths("qo_lens", qo_lens, kv_lens.size)
+    kv_lens = as_lengths(lens_name, kv_lens)
+    qo_lens = as_lengths("qo_lens", qo_lens, kv_lens.size, lens_name)
     page_tables = _rows(tables_name, page_tables, kv_lens.size, lens_name)
     page_size = as_int("page_size", page_size, minimum=1)
     num_pages = as_int("num_pages", num_pages, minimum=0)
@@ -295,7 +284,7 @@ def vector_sparse(token_indices: Sequence[ArrayLike], qo_lens: ArrayLike, num_sl
     >>> ba.layouts.vector_sparse([[9, 2, 5]], [1], num_slots=16).kv_slots(0).tolist()
     [9, 2, 5]
     """
-    qo_lens = _lengths("qo_lens", qo_lens)
+    qo_lens = as_lengths("qo_lens", qo_lens)
     tokens = [_row(f"token_indices[{b}]", t) for b, t in enumerate(_rows("token_indices", token_indices,
                                                                          qo_lens.size, "qo_lens"))]
     return BSRLayout.from_slots(tokens, qo_lens, as_int("num_slots", num_slots, minimum=0))
@@ -344,7 +333,7 @@ def quest(page_tables: Sequence[ArrayLike], kv_lens: ArrayLike, selected_pages: 
     >>> lay.num_rows, lay.kv_indices.tolist(), lay.kv_last_len.tolist()   # block = pool page * Hkv + head
     (2, [8, 0, 3, 1], [12, 12])
     """
-    kv_lens = _lengths("kv_lens", kv_lens)
+    kv_lens = as_lengths("kv_lens", kv_lens)
     batch = kv_lens.size
     page_tables = _rows("page_tables", page_tables, batch, "kv_lens")
     selected_pages = _rows("selected_pages", selected_pages, batch, "kv_lens")
@@ -397,9 +386,11 @@ def per_head_views(q: Array, k: Array, v: Array, num_kv_heads: int) -> tuple[Arr
 
     Raises
     ------
+    TypeError
+        ``num_kv_heads`` not an int.
     ValueError
-        ``num_qo_heads`` not a multiple of ``num_kv_heads``, ``k``/``v`` not HND with ``num_kv_heads`` heads or
-        of different shapes.
+        ``num_kv_heads`` below 1, ``q`` not 3-D, ``num_qo_heads`` not a multiple of ``num_kv_heads``, ``k``/``v``
+        not HND with ``num_kv_heads`` heads or of different shapes.
 
     Examples
     --------
@@ -408,13 +399,16 @@ def per_head_views(q: Array, k: Array, v: Array, num_kv_heads: int) -> tuple[Arr
     >>> [x.shape for x in ba.layouts.per_head_views(q, k, v, num_kv_heads=2)]
     [(6, 4, 16), (10, 16, 1, 16), (10, 16, 1, 16)]
     """
+    num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+    if len(q.shape) != 3:
+        raise ValueError(f"q must be decode queries [B, num_qo_heads, head_dim]; got shape {tuple(q.shape)}")
+    if len(k.shape) != 4 or k.shape[1] != num_kv_heads or v.shape != k.shape:
+        raise ValueError(f"k, v must be HND [P, {num_kv_heads}, page, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"num_qo_heads={q.shape[1]} is not a multiple of num_kv_heads={num_kv_heads}")
-    if k.shape[1] != num_kv_heads or v.shape != k.shape:
-        raise ValueError(f"k, v must be HND [P, {num_kv_heads}, page, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
-    group = q.shape[1] // num_kv_heads
+    group_size = q.shape[1] // num_kv_heads
     page_size, head_dim = k.shape[2], k.shape[3]
-    return (q.reshape(q.shape[0] * num_kv_heads, group, q.shape[2]),
+    return (q.reshape(q.shape[0] * num_kv_heads, group_size, q.shape[2]),
             k.reshape(k.shape[0] * num_kv_heads, page_size, 1, head_dim),
             v.reshape(v.shape[0] * num_kv_heads, page_size, 1, head_dim))
 
@@ -458,7 +452,7 @@ def tree(parents: Sequence[ArrayLike], page_tables: Sequence[ArrayLike], kv_lens
     >>> lay.row_mask(0).astype(int).tolist()
     [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
     """
-    kv_lens = _lengths("kv_lens", kv_lens)
+    kv_lens = as_lengths("kv_lens", kv_lens)
     trees = [_row(f"parents[{b}]", par) for b, par in enumerate(_rows("parents", parents, kv_lens.size, "kv_lens"))]
     for b, par in enumerate(trees):
         n = par.size
@@ -528,7 +522,7 @@ def shared_prefix(qo_lens: ArrayLike, prefix_pages: ArrayLike, prefix_len: int,
     >>> [lvl.num_rows for lvl in c.levels], c.levels[0].kv_lens.tolist()
     ([1, 2], [32])
     """
-    qo_lens = _lengths("qo_lens", qo_lens)
+    qo_lens = as_lengths("qo_lens", qo_lens)
     prefix_pages = _row("prefix_pages", prefix_pages)
     prefix_len = as_int("prefix_len", prefix_len, minimum=0)
     page_size = as_int("page_size", page_size, minimum=1)

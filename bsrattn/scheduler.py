@@ -21,13 +21,15 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from bsrattn.coerce import INT32_MAX, as_int, as_lengths
 from bsrattn.compiled import Compiled
-from bsrattn.layout import as_index_array, as_int
+from bsrattn.indexing import ceil_div
+from bsrattn.layout import BSRLayout
 from bsrattn.makespan import DISTRIBUTIONS, SimulationResult, compare, makespan
 
-__all__ = ["WorkPlan", "plan", "round_robin", "makespan", "simulate", "SimulationResult", "DISTRIBUTIONS"]
+__all__ = ["WorkPlan", "plan", "plan_layout", "round_robin", "makespan", "simulate", "SimulationResult",
+           "DISTRIBUTIONS"]
 
-_INT32_MAX = np.iinfo(np.int32).max
 MAX_CTAS = 2**20
 """The largest ``num_ctas`` a plan may have. A GPU runs a few thousand CTAs at once (an H200 has 132 SMs), so
 more only add empty ones; the bound also keeps a bad value from allocating the plan's ``[num_ctas + 1]`` offsets
@@ -133,19 +135,9 @@ class WorkPlan:
 
 
 def _check_lengths(qo_lens, kv_lens):
-    """``[R]`` lengths as int32 arrays: integers only (floats are refused, even ``2.0``), in ``0..2**31-1``, as a
-    plan's arrays are int32."""
-    qo = as_index_array("qo_lens", qo_lens)
-    kv = as_index_array("kv_lens", kv_lens)
-    for name, arr in (("qo_lens", qo), ("kv_lens", kv)):
-        if arr.ndim != 1:
-            raise ValueError(f"{name} must be a 1-D sequence of ints, got shape {arr.shape}")
-        if (arr < 0).any():
-            i = int(np.argmax(arr < 0))
-            raise ValueError(f"{name} must be >= 0, got {name}[{i}]={arr[i]}")
-    if qo.shape != kv.shape:
-        raise ValueError(f"qo_lens {qo.shape} and kv_lens {kv.shape} must have the same shape")
-    return qo.astype(np.int32, copy=False), kv.astype(np.int32, copy=False)
+    """``[R]`` lengths (:func:`~bsrattn.coerce.as_lengths`) as int32 arrays, as a plan's arrays are."""
+    kv = as_lengths("kv_lens", kv_lens)
+    return as_lengths("qo_lens", qo_lens, kv.size, "kv_lens").astype(np.int32), kv.astype(np.int32)
 
 
 def _check_options(num_ctas, tile_q, min_split_size=1, kv_align=1, fixed_split_size=None):
@@ -156,8 +148,8 @@ def _check_options(num_ctas, tile_q, min_split_size=1, kv_align=1, fixed_split_s
                          f"num_kv_heads programs and a GPU a few thousand at once, so the rest would be empty")
     for name, value in (("tile_q", tile_q), ("min_split_size", min_split_size), ("kv_align", kv_align),
                         ("fixed_split_size", fixed_split_size)):
-        if value is not None and as_int(name, value, minimum=1) > _INT32_MAX:
-            raise ValueError(f"{name} must be <= {_INT32_MAX}, got {value}: a plan's bounds are int32")
+        if value is not None and as_int(name, value, minimum=1) > INT32_MAX:
+            raise ValueError(f"{name} must be <= {INT32_MAX}, got {value}: a plan's bounds are int32")
 
 
 def _chunk_size(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align):
@@ -168,9 +160,9 @@ def _chunk_size(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align):
         return 0
     total = 0
     for r in range(qo.size):
-        total += (qo[r] + tile_q - 1) // tile_q * kv[r]
-    size = max((total + num_ctas - 1) // num_ctas, min_split_size, 1)
-    return (size + kv_align - 1) // kv_align * kv_align
+        total += ceil_div(qo[r], tile_q) * kv[r]
+    size = max(ceil_div(total, num_ctas), min_split_size, 1)
+    return ceil_div(size, kv_align) * kv_align
 
 
 def _work_items(qo, kv, tile_q, chunk, lead):
@@ -182,8 +174,8 @@ def _work_items(qo, kv, tile_q, chunk, lead):
     n_items = 0
     for r in range(num_rows):
         if chunk > 0:
-            chunks[r] = 1 + max(0, (kv[r] - lead + chunk - 1) // chunk)
-        n_items += (qo[r] + tile_q - 1) // tile_q * chunks[r]
+            chunks[r] = 1 + ceil_div(max(0, kv[r] - lead), chunk)
+        n_items += ceil_div(qo[r], tile_q) * chunks[r]
     row = np.empty(n_items, np.int64)
     qs = np.empty(n_items, np.int64)
     qe = np.empty(n_items, np.int64)
@@ -341,7 +333,7 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_ali
     chunk = _chunk_size(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align)
     lead = chunk
     if lead_items and split > 0:
-        lead = (_chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align) + split - 1) // split * split
+        lead = ceil_div(_chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align), split) * split
     row, qs, qe, ks, ke, tile, split_tile = _work_items(qo, kv, tile_q, chunk, lead)
     cost = (qe - qs) + (ke - ks)
     if balance:
@@ -355,14 +347,14 @@ def _plan_core(qo_lens, kv_lens, num_ctas, tile_q, split, min_split_size, kv_ali
     return flat, chunk, row.size, n_merges, n_merge_items, n_partial_rows
 
 
-_core = Compiled(_plan_core, _chunk_size, _work_items, _longest_first_least_loaded, _round_robin, _group_by_cta,
-                 _partial_rows, _pack)
+_core = Compiled(_plan_core, ceil_div, _chunk_size, _work_items, _longest_first_least_loaded, _round_robin,
+                 _group_by_cta, _partial_rows, _pack)
 
 
 def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance, lead_items=False,
-               grid=None) -> WorkPlan:
+               all_ctas=None) -> WorkPlan:
     """The :class:`WorkPlan` of int32 lengths ``qo``, ``kv`` (checked by the caller), balanced over ``num_ctas``
-    CTAs of a ``grid`` of CTAs (default ``num_ctas``; the others get no items); its arrays but ``cta_indptr``'s
+    CTAs of ``all_ctas`` (default ``num_ctas``; the others get no items); its arrays but ``cta_indptr``'s
     padding are views of one."""
     num_ctas, tile_q = int(num_ctas), int(tile_q)
     flat, chunk, w, m, p, rows = _core(qo, kv, num_ctas, tile_q, int(split), int(min_split_size), int(kv_align),
@@ -373,10 +365,10 @@ def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balanc
     for size in (num_ctas + 1, w, w, w, w, w, w, w, m + 1, p, m, m):
         arrays.append(flat[at:at + size])
         at += size
-    if grid is not None and grid > num_ctas:
+    if all_ctas is not None and all_ctas > num_ctas:
         indptr = arrays[0]
-        arrays[0] = np.concatenate([indptr, np.full(grid - num_ctas, indptr[-1], dtype=indptr.dtype)])
-        num_ctas = grid
+        arrays[0] = np.concatenate([indptr, np.full(all_ctas - num_ctas, indptr[-1], dtype=indptr.dtype)])
+        num_ctas = all_ctas
     return WorkPlan(num_ctas, tile_q, int(chunk), *arrays, num_partial_rows=int(rows))
 
 
@@ -410,14 +402,14 @@ def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int =
         Lower bound on ``L_kv`` and the multiple it is rounded up to (a kernel's KV tile).
     busy_ctas : int, optional
         Balance over the first ``busy_ctas`` of the ``num_ctas`` CTAs only; the others get no item. A kernel
-        whose grid is fixed at ``num_ctas`` (a captured CUDA graph records it) can so run a small batch on fewer,
+        whose launch is fixed at ``num_ctas`` CTAs (a captured CUDA graph records it) can so run a small batch on fewer,
         larger CTAs. Default: all ``num_ctas``.
     lead_items : bool
         With ``fixed_split_size``: a row's first item covers Algorithm 1's ``L_kv`` (with ``min_split_size`` and
         ``kv_align``) rounded up to a multiple of ``fixed_split_size``, the rest of a longer row one
         ``fixed_split_size`` chunk per item. For a kernel whose deterministic mode folds an item's chunks of the
-        grid itself, left to right (the torch tier's): the merge then folds the first item's state and the
-        next chunks' in the order of the plan cut at every grid point, and only the cuts the batch needs
+        chunk grid itself, left to right (the torch tier's): the merge then folds the first item's state and the
+        next chunks' in the order of the plan cut at every chunk-grid point, and only the cuts the batch needs
         write partial states.
 
     Returns
@@ -448,6 +440,25 @@ def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int =
                        busy_ctas=busy_ctas, lead_items=lead_items)
 
 
+def plan_layout(layout: BSRLayout, **options: Any) -> WorkPlan:
+    """:func:`plan` of a layout's block rows: its ``qo_lens`` and ``kv_lens`` were checked when it was built, so only
+    ``options`` (:func:`plan`'s keyword arguments) are checked here, and a plan of thousands of rows costs none.
+
+    Parameters
+    ----------
+    layout : BSRLayout
+        The rows to plan.
+    **options : Any
+        :func:`plan`'s keyword arguments (``num_ctas`` is required).
+
+    Returns
+    -------
+    WorkPlan
+        ``plan(layout.qo_lens, layout.kv_lens, **options)``.
+    """
+    return _plan_valid(layout.qo_lens, layout.kv_lens, **options)
+
+
 def _plan_valid(qo, kv, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int | None = None,
                 disable_split_kv: bool = False, min_split_size: int = 1, kv_align: int = 1,
                 busy_ctas: int | None = None, lead_items: bool = False) -> WorkPlan:
@@ -455,10 +466,10 @@ def _plan_valid(qo, kv, *, num_ctas: int, tile_q: int = 1, fixed_split_size: int
     ``kv_lens``, int32 and checked when the layout was built): only the options are checked."""
     _check_options(num_ctas, tile_q, min_split_size, kv_align, fixed_split_size)
     if lead_items and fixed_split_size is None:
-        raise ValueError("lead_items=True needs fixed_split_size: it rounds a row's first item onto that grid")
+        raise ValueError("lead_items=True needs fixed_split_size: it rounds a row's first item onto that chunk grid")
     busy = num_ctas if busy_ctas is None else as_int("busy_ctas", busy_ctas, minimum=1, maximum=num_ctas)
     return _make_plan(qo, kv, busy, tile_q, _split(fixed_split_size, disable_split_kv), min_split_size, kv_align,
-                      True, lead_items, grid=num_ctas)
+                      True, lead_items, all_ctas=num_ctas)
 
 
 def round_robin(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int = 1) -> WorkPlan:

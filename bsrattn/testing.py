@@ -63,6 +63,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from bsrattn._types import Array, DType
+from bsrattn.indexing import ceil_div
 
 TOLERANCES = {
     ("attention", "float64"): (1e-10, 1e-10),
@@ -513,6 +514,6 @@ def scattered_page_tables(rng: np.random.Generator, kv_lens: ArrayLike, page_siz
     >>> [len(t) for t in tables], num_pages, len(set(np.concatenate(tables).tolist()))
     ([2, 1], 4, 3)
     """
-    need = [-(-int(n) // int(page_size)) for n in np.asarray(kv_lens).reshape(-1)]
+    need = [ceil_div(int(n), int(page_size)) for n in np.asarray(kv_lens).reshape(-1)]
     pool = rng.permutation(sum(need) + int(spare_pages))
     return np.split(pool[:sum(need)], np.cumsum(need)[:-1]), int(pool.size)

@@ -9,12 +9,15 @@ float, not even ``2.0``); a float argument takes any Python or NumPy real number
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from bsrattn.layout import INT32_MAX, BSRLayout, as_index_array, as_int
-from bsrattn.variant import Variant, as_real
+from bsrattn.coerce import INT32_MAX, as_index_array, as_int, as_real
+from bsrattn.layout import BSRLayout
+from bsrattn.variant import Variant
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 SPLIT_ALIGN = 64
@@ -141,6 +144,11 @@ class AttentionSpec:
         check_array("q", q)
         check_array("k", k)
         check_array("v", v)
+        self._check_fits(q, k, v, out, lse, return_lse, k_scale, v_scale)
+
+    def _check_fits(self, q, k, v, out, lse, return_lse, k_scale=None, v_scale=None, dtypes_checked=False):
+        """:meth:`check_run` past the arrays' kinds; ``dtypes_checked``: the inputs' dtypes and the scales were
+        checked already (:func:`spec_from_inputs`, which read the spec off them)."""
         if out is not None:
             check_writable("out", out)
         if lse is not None:
@@ -152,7 +160,8 @@ class AttentionSpec:
         for name, x in (("k", k), ("v", v)):
             if shape_of(x) != self.kv_shape(view):
                 raise ValueError(f"{name} has shape {shape_of(x)}, the plan expects {self.kv_shape(view)} ({view})")
-        _check_dtypes(q, k, v, k_scale, v_scale)
+        if not dtypes_checked:
+            _check_dtypes(q, k, v, k_scale, v_scale)
         if self.q_dtype is not None and dtype_name(q) != self.q_dtype:
             raise TypeError(f"q has dtype {dtype_name(q)}, the plan expects {self.q_dtype}")
         if self.kv_dtype is not None and dtype_name(k) != self.kv_dtype:
@@ -185,8 +194,9 @@ def _check_dtypes(q, k, v, k_scale, v_scale):
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
             continue
-        if not as_real(name, scale) > 0:
-            raise ValueError(f"{name} must be a positive float, got {scale!r}")
+        value = as_real(name, scale)
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
 
 
 def _kv_view(k, kv_layout, block_size):
@@ -324,7 +334,29 @@ def spec_from_inputs(q, k, v, layout, variant=None, kv_layout="NHD", **run_kwarg
     view = _kv_view(k, kv_layout, layout.block_size)
     head_axis = 1 if view in ("HND", "NHD3") else 2
     _check_dtypes(q, k, v, run_kwargs.get("k_scale"), run_kwargs.get("v_scale"))
+    _check_kv_order(shape_of(q)[1], shape_of(k), view, layout.block_size)
     spec = make_spec(layout, shape_of(q)[1], shape_of(k)[head_axis], shape_of(q)[2], variant, dtype_name(q),
                      dtype_name(k), view)
-    spec.check_run(q, k, v, **run_kwargs)
+    spec._check_fits(q, k, v, run_kwargs.get("out"), run_kwargs.get("lse"), run_kwargs.get("return_lse", False),
+                     dtypes_checked=True)
     return spec
+
+
+_ORDERS = {"NHD": "[num_blocks, block_size, num_kv_heads, head_dim]",
+           "HND": "[num_blocks, num_kv_heads, block_size, head_dim]"}
+
+
+def _check_kv_order(num_qo_heads, k_shape, view, block_size):
+    """Raise, naming the ``kv_layout`` that fits, when ``k`` read in ``view``'s order has a head count that cannot
+    be (not dividing ``num_qo_heads``) while read in the other order it fits the layout's ``block_size``: a pool
+    stored in the other order, whose error would otherwise be about the heads."""
+    if view not in _ORDERS:
+        return
+    other = "HND" if view == "NHD" else "NHD"
+    heads = {"NHD": k_shape[2], "HND": k_shape[1]}
+    blocks = {"NHD": k_shape[1], "HND": k_shape[2]}
+    if num_qo_heads % heads[view] and not num_qo_heads % heads[other] and blocks[other] == block_size:
+        raise ValueError(f"k has shape {k_shape}: read as kv_layout={view!r} ({_ORDERS[view]}) it has {heads[view]} "
+                         f"KV heads, which do not divide num_qo_heads={num_qo_heads}; it fits kv_layout={other!r} "
+                         f"({_ORDERS[other]}, {heads[other]} KV heads of block_size={block_size}): pass "
+                         f"kv_layout={other!r}")

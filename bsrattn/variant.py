@@ -34,36 +34,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from bsrattn import indexing
-from bsrattn.layout import as_int
-
-
-def as_real(name: str, value: Any) -> float:
-    """``value`` as a float: a Python or NumPy integer or float, never a bool, a string or None.
-
-    Parameters
-    ----------
-    name : str
-        The argument's name, for the error message.
-    value : int or float
-        The value to check.
-
-    Returns
-    -------
-    float
-
-    Raises
-    ------
-    TypeError
-        ``value`` not a Python or NumPy real number (a bool, a string, None, anything else).
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    return float(value)
+from bsrattn.coerce import as_int, as_real
 
 
 def _per_head(name: str, values) -> tuple:

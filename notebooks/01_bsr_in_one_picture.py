@@ -68,7 +68,7 @@ print("kv_last_len ", layout.kv_last_len, "  valid slots of each last page")
 
 # %% [markdown]
 # A kernel finds the pool slot of a request's logical key $i$ in one of two ways. The **sparse path** goes
-# through the indices array; the **dense path**, for KV stored contiguously from `offset`, is affine:
+# through the indices array; the **affine path**, for KV stored contiguously from `offset`, is affine:
 #
 # ```
 # j = indices[(offset + i) / Bc] * Bc + (offset + i) % Bc     // sparse
@@ -82,7 +82,7 @@ i = np.arange(layout.kv_lens[0])
 sparse = ba.indexing.sparse_slot(layout.kv_indices, layout.kv_indptr[0], layout.block_size, i)
 print("request 0, sparse path:", sparse)
 print("same as kv_slots(0):   ", layout.kv_slots(0))
-print("dense path from slot 0:", ba.indexing.dense_slot(0, i))
+print("affine path from slot 0:", ba.indexing.affine_slot(0, i))
 
 # %% [markdown]
 # ## A picture
@@ -191,3 +191,16 @@ bytes_per_slot = 128 * 2 * 2  # head_dim x fp16 x (K and V)
 for block in (16, 128):
     amp = quest_row(32768, 64).read_amplification(block)
     print(f"block {block:3d}: needs {amp.needed * bytes_per_slot / 2**10:6.0f} KiB, reads {amp.read * bytes_per_slot / 2**10:6.0f} KiB")
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercises of the course that go with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 5, **pool-slot** (`python -m bsrattn.exercises check 5`): Logical slot -> pool slot: where key i of block
+#   row r lives in the KV pool.
+# - Exercise 11, **gather** (`python -m bsrattn.exercises check 11`): A BSR gather: one block row's keys (or values), in
+#   logical order, copied out of the pool.
+# - Exercise 24, **dense-mask** (`python -m bsrattn.exercises check 24`): A layout as the dense mask it stands for:
+#   which pool slot each query row attends.

@@ -53,7 +53,7 @@ layout = ba.layouts.ragged(qo_lens, kv_lens)
 print(layout)
 print("qo_indptr (cu_seqlens_q):", layout.qo_indptr)
 print("kv_indptr (cu_seqlens_k):", layout.kv_indptr)
-print("kv_indices:              ", layout.kv_indices, " <- consecutive: the dense path")
+print("kv_indices:              ", layout.kv_indices, " <- consecutive: the affine path")
 for r in range(layout.num_rows):
     pos = ba.indexing.query_position(qo_lens[r], kv_lens[r], np.arange(qo_lens[r]))
     print(f"request {r}: query positions {pos}")
@@ -229,3 +229,16 @@ for ax, (label, request_loops) in zip(axes, loops.items()):
 axes[0].set_ylabel(f"query position ({block_m // group} per tile)")
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercises of the course that go with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 4, **ragged** (`python -m bsrattn.exercises check 4`): A ragged batch as BSR with Bc = 1: its `qo_indptr`,
+#   `kv_indptr`, `kv_indices` and `kv_last_len`.
+# - Exercise 6, **causal-mask** (`python -m bsrattn.exercises check 6`): The bottom-right causal mask of a block row:
+#   which keys each query sees.
+# - Exercise 7, **sliding-window** (`python -m bsrattn.exercises check 7`): A sliding window: the keys a query sees when
+#   it looks back at most `window_left` positions.

@@ -9,7 +9,8 @@ each recorded kernel with ``numba.cuda.compile_ptx(..., cc=(9, 0))`` for the rec
 Run it without the simulator (``NUMBA_ENABLE_CUDASIM`` unset); it needs ``numba-cuda[cu13]`` (NVVM), not a
 GPU. Exit status 0: all compiled; 1: a kernel failed; 77: no CUDA compiler here. With ``--part i/n`` it
 compiles the i-th of n shares of the distinct kernels (every n-th, in the order the calls first launch them),
-so that n processes compile them all at once.
+so that n processes compile them all at once. It imports the installed ``bsrattn`` (``pip install -e .``), or
+the one ``PYTHONPATH`` names, as ``tests/test_numba_compile.py`` runs it.
 
     python tests/numba_sm90_compile.py [--part 0/2]
 """
@@ -46,6 +47,9 @@ def _install_recorder():
     """Replace device allocation with NumPy and launches with a record of (kernel, args)."""
     from numba.cuda import dispatcher
 
+    # The tier loads only where its kernels can run (numba_cuda.launch.where_kernels_run): here they are only
+    # compiled, for a GPU this machine does not have.
+    cuda.is_available = lambda: True
     from bsrattn.numba_cuda import arrays, config, launch, runner
 
     # Device functions (array.view, scalar .view) are compiled for the current device's compute
@@ -88,11 +92,21 @@ def _calls():
         return attn.run(*tensors(layout, hq, hkv, q_dtype, kv_dtype, storage), return_lse=not variant.use_sigmoid,
                         **run_kwargs)
 
-    def quest_decode(num_kv_heads, group, dtype):
+    def quest_decode(num_kv_heads, group_size, dtype):
         layout = ba.layouts.quest([[3, 1, 0, 2]], [60], [[[0, 2]] * num_kv_heads], 16, 4, num_kv_heads)
-        q = rng.standard_normal((1, num_kv_heads * group, d)).astype(dtype)
+        q = rng.standard_normal((1, num_kv_heads * group_size, d)).astype(dtype)
         k, v = (rng.standard_normal((4, num_kv_heads, 16, d)).astype(dtype) for _ in range(2))
         return ba.attention(*ba.layouts.per_head_views(q, k, v, num_kv_heads), layout, backend="numba")
+
+    def core(layout, hq, hkv, variant, q_dtype, kv_dtype, storage="NHD", **run_kwargs):
+        """The core kernel (``numba_cuda/core.py``) on a plan that splits rows: its kernel and the plan's merge."""
+        from bsrattn.numba_cuda import core
+        from bsrattn.validation import spec_from_inputs
+
+        q, k, v = tensors(layout, hq, hkv, q_dtype, kv_dtype, storage)
+        spec = spec_from_inputs(q, k, v, layout, variant, "HND" if storage == "HND" else "NHD", **run_kwargs)
+        work_plan = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=4, tile_q=2, fixed_split_size=16)
+        return core.make_runner(spec, work_plan).run(q, k, v, return_lse=not variant.use_sigmoid, **run_kwargs)
 
     paged = ba.layouts.paged([1, 3, 2], [[5, 1, 7], [0, 3], [6, 4]], [40, 20, 30], 16, 8)
     tree = ba.layouts.tree([[-1, 0, 0, 1]], [[2, 0, 1]], [40], 16, 3)
@@ -105,7 +119,7 @@ def _calls():
                                                         np.float16, ml_dtypes.float8_e4m3fn, k_scale=0.5, v_scale=2.0)),
         ("tree fp16/e4m3, mask, sigmoid", lambda: planned(tree, 8, 2, ba.Variant(sigmoid_bias=-1.0), np.float16,
                                                           ml_dtypes.float8_e4m3fn, k_scale=0.5, v_scale=2.0)),
-        ("ragged fp64, dense path, 3-D", lambda: planned(ragged, 4, 4, ba.Variant(causal=True), np.float64,
+        ("ragged fp64, affine path, 3-D", lambda: planned(ragged, 4, 4, ba.Variant(causal=True), np.float64,
                                                          np.float64, "flat")),
         ("paged HND bf16/e5m2", lambda: planned(paged, 8, 2, ba.Variant(), ml_dtypes.bfloat16, ml_dtypes.float8_e5m2,
                                                 "HND", k_scale=0.5, v_scale=2.0)),
@@ -121,6 +135,15 @@ def _calls():
             backend="numba")),
         ("add_states fp32", lambda: ba.get_backend("numba").add_states(np.zeros((3, 8, d), np.float32),
                                                                        np.ones((3, 8, d), np.float32))),
+        ("core: paged fp16, softmax features", lambda: core(paged, 8, 2, every_softmax_feature, np.float16,
+                                                            np.float16)),
+        ("core: paged fp16/e4m3, RoPE", lambda: core(paged, 8, 2, ba.Variant(causal=True, rope_theta=1e4), np.float16,
+                                                     ml_dtypes.float8_e4m3fn, k_scale=0.5, v_scale=2.0)),
+        ("core: tree bf16/e5m2, mask, sigmoid", lambda: core(tree, 8, 2, ba.Variant(sigmoid_bias=-1.0),
+                                                             ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, k_scale=0.5)),
+        ("core: ragged fp64, 3-D", lambda: core(ragged, 4, 4, ba.Variant(causal=True), np.float64, np.float64,
+                                                "flat")),
+        ("core: paged HND fp32, GQA 8", lambda: core(paged, 8, 1, ba.Variant(), np.float32, np.float32, "HND")),
     ]
 
 
@@ -166,5 +189,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main())

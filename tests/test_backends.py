@@ -157,9 +157,38 @@ def test_missing_dependency_names_the_fix(probe, monkeypatch, tier, package, fix
 def test_backend_exposes_exactly_the_tier_functions():
     public = {name: x for name, x in vars(backends.Backend).items() if not name.startswith("_")}
     assert {name for name, x in public.items() if not isinstance(x, property)} == set(backends.TIER_FUNCTIONS)
-    # Beyond them, one thing a tier may say of itself: whether its kernels fold a prior state (a Cascade's levels).
-    assert {name for name, x in public.items() if isinstance(x, property)} == {"folds_prior"}
-    assert not ba.get_backend("reference").folds_prior
+    # Beyond them, what a tier declares of itself (TIER_FLAGS): whether its kernels fold a prior state (a Cascade's
+    # levels) and whether its runners bind a serving loop's calls.
+    assert {name for name, x in public.items() if isinstance(x, property)} == {"folds_prior", "binds_runs"}
+    assert not ba.get_backend("reference").folds_prior and not ba.get_backend("reference").binds_runs
+
+
+@pytest.mark.parametrize("flag, value, message", [("FOLDS_PRIOR", 1, "FOLDS_PRIOR is 1; a tier declares it as a bool"),
+                                                  ("KERNELS", ("core",), "KERNELS is ('core',); a tier runs 'shipped'"),
+                                                  ("KERNELS", ("shipped", "fast"), "KERNELS is ('shipped', 'fast')")])
+def test_a_tier_declaring_a_flag_wrongly_is_refused_at_load(probe, monkeypatch, flag, value, message):
+    monkeypatch.setattr(sys.modules["bsrattn_probe_backend"], flag, value, raising=False)
+    with pytest.raises(TypeError, match=re.escape(f"backend 'probe': {message}")):
+        ba.get_backend("probe")
+
+
+@pytest.mark.parametrize("kernel, message", [("core", "kernel='core': the 'reference' tier runs only ['shipped']"),
+                                             ("fast", "unknown kernel='fast'; choose from ['shipped', 'core']"),
+                                             (1, "unknown kernel=1")])
+def test_a_kernel_the_tier_does_not_run_is_refused_by_name(kernel, message):
+    q, kv = np.zeros((1, 2, 8)), np.zeros((4, 2, 8))
+    layout = ba.layouts.ragged([1], [4])
+    for call in (lambda: ba.attention(q, kv, kv, layout, backend="reference", kernel=kernel),
+                 lambda: ba.BatchAttention("reference", kernel=kernel),
+                 lambda: ba.get_backend("reference", kernel)):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+
+
+def test_the_shipped_kernel_is_the_default_and_named_alike():
+    be = ba.get_backend("reference")
+    assert be.kernel == "shipped" and ba.get_backend("reference", "shipped") is be
+    assert ba.get_backend(be, None) is be and ba.BatchAttention("reference", kernel="shipped").backend is be
 
 
 def test_a_prior_state_on_a_tier_that_folds_none_is_refused_by_name():
@@ -167,7 +196,7 @@ def test_a_prior_state_on_a_tier_that_folds_none_is_refused_by_name():
     q, kv = np.zeros((1, 2, 8), np.float32), np.zeros((4, 2, 8), np.float32)
     spec = ba.validation.spec_from_inputs(q, kv, kv, ba.layouts.ragged([1], [4]), ba.Variant(), "NHD")
     assert np.array_equal(be.attention(spec, q, kv, kv)[0], q)  # the call itself is fine without it
-    with pytest.raises(ValueError, match="prior: the 'reference' tier's kernel folds no prior state"):
+    with pytest.raises(ValueError, match="prior: the 'reference' tier's shipped kernel folds no prior state"):
         be.attention(spec, q, kv, kv, prior=(q, np.zeros((1, 2), np.float32)))
 
 

@@ -355,9 +355,9 @@ def test_a_one_shot_call_checks_again_whatever_differs_from_the_last_call_that_p
     """A one-shot call like the last one that passed (its layout object, variant, view and what the checks read
     of the arguments) skips the checks; each of these differs from it in one thing the checks read, and must be
     refused as by a first call."""
-    from bsrattn import api
+    from bsrattn import api, passed
 
-    monkeypatch.setattr(api, "_last_one_shot", None)
+    monkeypatch.setattr(api, "ONE_SHOT", passed.Passed())
     q, k, v = arrays()
     good = dict(out=np.zeros(q.shape, f32), lse=np.zeros(q.shape[:2], f32), k_scale=1, v_scale=1.0, return_lse=True)
     args, changed = AFTER_A_GOOD_CALL[name](q, k, v)
@@ -374,9 +374,9 @@ def test_a_one_shot_call_like_the_last_that_passed_skips_only_its_checks(monkeyp
     another layout object (even an equal one), variant or view is checked again."""
     import copy
 
-    from bsrattn import api
+    from bsrattn import api, passed
 
-    monkeypatch.setattr(api, "_last_one_shot", None)
+    monkeypatch.setattr(api, "ONE_SHOT", passed.Passed())
     checked = []
     real = api.spec_from_inputs
     monkeypatch.setattr(api, "spec_from_inputs", lambda *args, **kwargs: checked.append(1) or real(*args, **kwargs))
@@ -568,3 +568,132 @@ def test_the_reference_tier_imports_no_torch_for_numpy_inputs():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+# ---- non-finite KV scales, a Cascade row no flat layout expresses, storage order named --------------------
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), -float("inf")], ids=["inf", "nan", "-inf"])
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+def test_non_finite_kv_scales_are_refused_at_every_entry_point(tier, name, scale):
+    q, k, v = arrays()
+    message = re.escape(f"{name} must be a positive finite float, got {scale!r}")
+    with pytest.raises(ValueError, match=message):
+        ba.attention(q, k, v, LAYOUT, backend=tier, **{name: scale})
+    attn = ba.BatchAttention(tier)
+    attn.plan(LAYOUT, 4, 2, 8)
+    attn.run(q, k, v)  # a passing call first: the next must be checked again, not skip the checks
+    with pytest.raises(ValueError, match=message):
+        attn.run(q, k, v, **{name: scale})
+
+
+def _cascade_inputs(suffix_lens):
+    rng = np.random.default_rng(0)
+    cascade = ba.layouts.shared_prefix([3, 1], [0], 4, [[1], [2]], suffix_lens, page_size=4, num_pages=3)
+    q = rng.standard_normal((4, 1, 4)).astype(f32)
+    k, v = rng.standard_normal((2, 3, 4, 1, 4)).astype(f32)
+    return cascade, q, k, v
+
+
+def test_a_causal_cascade_row_that_no_flat_layout_expresses_is_refused_in_every_mode(tier):
+    cascade, q, k, v = _cascade_inputs([1, 2])  # row 0: 3 queries, 1 suffix key
+    causal = ba.Variant(causal=True)
+    message = r"the Cascade's last level row 0 has 3 queries and 1 keys"
+    for call in (lambda: ba.attention(q, k, v, cascade, variant=causal, backend=tier),
+                 lambda: ba.attention(q, k, v, cascade, variant=causal, backend=tier, deterministic=True,
+                                      split_size=64),
+                 lambda: ba.BatchAttention(tier).plan(cascade, 1, 1, 4, variant=causal),
+                 lambda: cascade.flatten(causal=True)):
+        with pytest.raises(ValueError, match=message):
+            call()
+    plain = ba.attention(q, k, v, cascade, backend=tier)  # without the causal mask every query sees all its keys
+    flat = ba.attention(q, k.reshape(-1, 1, 1, 4), v.reshape(-1, 1, 1, 4), cascade.flatten(), backend=tier)
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(flat), atol=1e-5)
+
+
+def test_a_causal_cascade_row_with_one_query_past_its_keys_is_one_attention_in_every_mode(tier):
+    cascade, q, k, v = _cascade_inputs([2, 2])  # row 0: 3 queries, 2 suffix keys: its first sees the prefix only
+    causal = ba.Variant(causal=True)
+    normal = ba.attention(q, k, v, cascade, variant=causal, backend=tier)
+    deterministic = ba.attention(q, k, v, cascade, variant=causal, backend=tier, deterministic=True, split_size=64)
+    flat = ba.attention(q, k.reshape(-1, 1, 1, 4), v.reshape(-1, 1, 1, 4), cascade.flatten(causal=True),
+                        variant=causal, backend=tier)
+    for other in (deterministic, flat):
+        np.testing.assert_allclose(np.asarray(other), np.asarray(normal), atol=1e-5)
+
+
+def test_kv_in_the_other_storage_order_names_the_kv_layout_that_fits(tier):
+    layout = ba.layouts.paged([1], [[0, 1]], [20], page_size=16, num_pages=2)
+    q = np.zeros((1, 8, 16), f32)
+    hnd = np.zeros((2, 2, 16, 16), f32)  # [num_pages, num_kv_heads, page_size, head_dim]
+    with pytest.raises(ValueError, match=re.escape("it fits kv_layout='HND'") + ".*pass kv_layout='HND'"):
+        ba.attention(q, hnd, hnd, layout, backend=tier)
+    nhd = np.zeros((2, 16, 2, 16), f32)
+    with pytest.raises(ValueError, match=re.escape("it fits kv_layout='NHD'")):
+        ba.attention(q, nhd, nhd, layout, backend=tier, kv_layout="HND")
+    assert ba.attention(q, hnd, hnd, layout, backend=tier, kv_layout="HND").shape == q.shape
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ba.BSRLayout([], [], [], [], 1, 1), r"qo_indptr is empty; it must be \[R\+1\]"),
+    (lambda: ba.layouts.paged([1, 1], [[0], [1]], [3], page_size=4, num_pages=2),
+     r"qo_lens has 2 entries and kv_lens has 1"),
+    (lambda: ba.layouts.ragged([1], [3, 4]), r"qo_lens has 1 entries and kv_lens has 2"),
+    (lambda: ba.scheduler.plan([1, 1], [3], num_ctas=2), r"qo_lens has 2 entries and kv_lens has 1"),
+    (lambda: ba.layouts.per_head_views(np.zeros((3, 8, 16)), *2 * [np.zeros((5, 2, 16, 16))], num_kv_heads=0),
+     r"num_kv_heads must be >= 1, got 0"),
+    (lambda: ba.layouts.per_head_views(np.zeros((3, 8, 16)), *2 * [np.zeros((5, 2, 16, 16))], num_kv_heads=2.0),
+     r"num_kv_heads must be an int, got 2\.0"),
+], ids=["empty qo_indptr", "paged lengths", "ragged lengths", "plan lengths", "no KV heads", "float KV heads"])
+def test_errors_name_the_argument_that_is_wrong(call, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        call()
+
+
+def _run_without_a_gpu(code, **env):
+    """``code`` in a fresh process that sees no GPU, with ``env`` over this one's environment (the simulator and
+    the interpreter off unless ``env`` says)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
+    base["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**base, **env},
+                            timeout=300)
+    return result.returncode, result.stdout + result.stderr
+
+
+NUMBA_UNAVAILABLE = ("import bsrattn as ba\n"
+                     "{before}\n"
+                     "try:\n"
+                     "    {call}\n"
+                     "except ba.BackendError as err:\n"
+                     "    print('refused:', err)\n")
+
+
+@pytest.mark.parametrize("call", ["ba.get_backend('numba')",
+                                  "ba.integrations.transformers.register(backend='numba')"], ids=["load", "register"])
+def test_the_numba_tier_without_a_gpu_or_the_simulator_names_the_variable(call):
+    pytest.importorskip("numba")
+    if call.startswith("ba.integrations"):
+        pytest.importorskip("transformers")
+        call = "import bsrattn.integrations.transformers; " + call
+    code, out = _run_without_a_gpu(NUMBA_UNAVAILABLE.format(before="", call=call))
+    assert code == 0, out
+    assert "refused:" in out and "set NUMBA_ENABLE_CUDASIM=1 before numba is imported" in out, out
+    late = "import numba.cuda, os; os.environ['NUMBA_ENABLE_CUDASIM'] = '1'"
+    code, out = _run_without_a_gpu(NUMBA_UNAVAILABLE.format(before=late, call=call))
+    assert code == 0, out
+    assert "NUMBA_ENABLE_CUDASIM was set after numba was imported" in out and "restart" in out, out
+
+
+def test_the_interpreter_switched_on_after_the_torch_tier_loaded_says_to_restart():
+    _torch()
+    code = ("import os, numpy as np, torch, bsrattn as ba\n"
+            "import bsrattn.torch_cuda\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "q = torch.zeros(1, 2, 8); kv = torch.zeros(4, 2, 8)\n"
+            "try:\n"
+            "    ba.attention(q, kv, kv, ba.layouts.ragged([1], [4]), backend='torch')\n"
+            "except ValueError as err:\n"
+            "    print('refused:', err)\n")
+    status, out = _run_without_a_gpu(code)
+    assert status == 0, out
+    assert "refused:" in out and "TRITON_INTERPRET changed after the tier was imported" in out, out
+    assert "restart the process" in out, out

@@ -75,9 +75,10 @@ SHARED_TIER_MODULES = {
 }
 """The modules every tier has, one concept each, so that the tiers read side by side file by file."""
 TIER_ONLY_MODULES = {
-    "reference": {"attention"},
-    "numba_cuda": {"formats", "launch"},
-    "torch_cuda": {"indexing", "ops", "plan_buffers", "prefill"},
+    "reference": {"deterministic", "progress", "rows"},
+    "numba_cuda": {"core", "formats", "launch"},
+    "torch_cuda": {"core", "deterministic", "indexing", "item_kernel", "kernel_args", "launch", "one_shot", "ops",
+                   "plan_buffers", "prior"},
 }
 """What a tier has beyond them; each says in its docstring's first line what it is for."""
 

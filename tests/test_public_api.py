@@ -25,7 +25,9 @@ import pytest
 
 import bsrattn
 
-MODULES = ("bsrattn.api", "bsrattn.layout", "bsrattn.layouts", "bsrattn.variant", "bsrattn.backends",
+MODULES = ("bsrattn.api", "bsrattn.layout", "bsrattn.cascade", "bsrattn.coerce", "bsrattn.passed", "bsrattn.layouts",
+           "bsrattn.variant",
+           "bsrattn.backends",
            "bsrattn.scheduler", "bsrattn.makespan", "bsrattn.state", "bsrattn.indexing", "bsrattn.testing",
            "bsrattn.draw", "bsrattn.compiled", "bsrattn.integrations.paged", "bsrattn.items")
 UNANNOTATED = {"bsrattn.indexing"}

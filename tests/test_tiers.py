@@ -28,16 +28,20 @@ from helpers import NUMPY_DTYPES, as_float64, check_attention, naive_merge, raw_
 from strategies import EDGE_CASES, LAYOUT_STRATEGIES, Problem, named_case, paged_problem, partial_states, problems
 
 TIERS = ("reference", "numba", "torch")
+CORE_TIERS = ("numba-core", "torch-core")
+"""The GPU tiers' cores (``kernel="core"``): the paper's kernel at teaching size, held to the attention tests."""
 # dtypes each tier is checked in here (no GPU needed); bf16 and fp8 on the GPU tiers run in test_tiers_gpu.py.
 TIER_DTYPES = {
     "reference": ("float64", "float32", "float16", "bfloat16"),
     "numba": ("float32", "float16"),
     "torch": ("float32", "float16"),
+    "numba-core": ("float32", "float16"),
+    "torch-core": ("float32", "float16"),
 }
 # Hypothesis examples per property on the slow tiers (None: the profile's default).
-TIER_EXAMPLES = {"reference": None, "numba": 6, "torch": 6}
+TIER_EXAMPLES = {"reference": None, "numba": 6, "torch": 6, "numba-core": 4, "torch-core": 4}
 # Per layout kind (8 kinds), the slow tiers draw fewer still.
-TIER_EXAMPLES_PER_KIND = {"reference": None, "numba": 2, "torch": 2}
+TIER_EXAMPLES_PER_KIND = {"reference": None, "numba": 2, "torch": 2, "numba-core": 2, "torch-core": 2}
 
 _TIER_DEPENDENCIES = {"numba": ("numba",), "torch": ("torch", "triton")}
 
@@ -48,6 +52,11 @@ class Tier:
 
     name: str
     backend: ba.Backend
+
+    @property
+    def kind(self) -> str:
+        """The tier the name runs on (``"numba"`` for ``"numba-core"``): what its arrays must be."""
+        return self.backend.name
 
     @property
     def dtypes(self) -> tuple:
@@ -61,7 +70,7 @@ class Tier:
     def array(self, x, dtype: str):
         """NumPy values -> this tier's array kind in ``dtype`` (torch: a tensor on CUDA if present, else CPU)."""
         x = np.ascontiguousarray(np.asarray(x).astype(NUMPY_DTYPES[dtype]))
-        if self.name != "torch":
+        if self.kind != "torch":
             return x
         import torch
 
@@ -71,7 +80,7 @@ class Tier:
 
     def native(self, x, dtype: str):
         """Like :meth:`array`, but in the kind the tier runs on: a Numba device array for numba."""
-        if self.name != "numba":
+        if self.kind != "numba":
             return self.array(x, dtype)
         from numba import cuda
 
@@ -84,20 +93,29 @@ class Tier:
 
 
 def load_tier(name: str) -> Tier:
-    """The tier ``name``, or a pytest skip saying why it cannot load here."""
+    """The tier ``name`` (``"numba-core"``: the numba tier's core kernel), or a pytest skip saying why it cannot load
+    here."""
+    tier, _, kernel = name.partition("-")
     try:
-        return Tier(name, ba.get_backend(name))
+        return Tier(name, ba.get_backend(tier, kernel or None))
     except ba.BackendError as err:
         pytest.skip(f"{name} tier unavailable: {err}")
     except ModuleNotFoundError as err:
-        ours = err.name == ba.backends.REGISTRY[name] or (err.name or "").split(".")[0] in _TIER_DEPENDENCIES[name]
+        ours = err.name == ba.backends.REGISTRY[tier] or (err.name or "").split(".")[0] in _TIER_DEPENDENCIES[tier]
         if not ours:
             raise
         pytest.skip(f"{name} tier not built here: {err}")
 
 
-@pytest.fixture(scope="module", params=TIERS)
+@pytest.fixture(scope="module", params=TIERS + CORE_TIERS)
 def backend(request) -> Tier:
+    """Each tier, and each GPU tier's core: what attention runs on."""
+    return load_tier(request.param)
+
+
+@pytest.fixture(scope="module", params=TIERS)
+def merging(request) -> Tier:
+    """Each tier: what merges run on (a core runs its tier's merges)."""
     return load_tier(request.param)
 
 
@@ -114,7 +132,7 @@ def attention_call(tier, problem, dtype):
 
     def run(q, k, v, kv_layout):
         got = ba.attention(*(tier.array(x, dtype) for x in (q, k, v)), problem.case.layout, variant=problem.variant,
-                           kv_layout=kv_layout, backend=tier.name, return_lse=not sigmoid)
+                           kv_layout=kv_layout, backend=tier.backend, return_lse=not sigmoid)
         return (got, None) if sigmoid else got
     return run
 
@@ -168,7 +186,7 @@ def batch_call(tier, problem, dtype, options, runs=2):
     """``BatchAttention`` planned once and run ``runs`` times, as a run for ``helpers.check_attention``; the
     runs must agree bit for bit."""
     hq, hkv = plan_heads(problem)
-    attn = ba.BatchAttention(backend=tier.name)
+    attn = ba.BatchAttention(backend=tier.backend)
     sigmoid = problem.variant.use_sigmoid
 
     def run(q, k, v, kv_layout):
@@ -216,10 +234,10 @@ def test_kv_scales_on_any_kv_dtype(backend, plan):
         if plan is None:
             def run(q, k, v, kv_layout):
                 return ba.attention(*(backend.array(x, dtype) for x in (q, k, v)), problem.case.layout,
-                                    variant=problem.variant, kv_layout=kv_layout, backend=backend.name,
+                                    variant=problem.variant, kv_layout=kv_layout, backend=backend.backend,
                                     return_lse=True, **scales)
         else:
-            attn = ba.BatchAttention(backend=backend.name)
+            attn = ba.BatchAttention(backend=backend.backend)
 
             def run(q, k, v, kv_layout):
                 attn.plan(problem.case.layout, problem.num_qo_heads, problem.num_kv_heads, problem.head_dim,
@@ -304,9 +322,9 @@ def test_fused_rope_at_given_positions(backend):
                             rotate(k_r, k_pos[:, None], variant, "float64"), v_r, layout,
                             variant=ba.Variant(causal=True), backend="reference")
         args = [backend.array(x, dtype) for x in (q_r, k_r, v_r)]
-        got = ba.attention(*args, layout, variant=variant, backend=backend.name, rope_positions=positions)
+        got = ba.attention(*args, layout, variant=variant, backend=backend.backend, rope_positions=positions)
         assert_close(backend.numpy(got), want, "attention", dtype, name=f"{backend.name} {dtype} one-shot")
-        attn = ba.BatchAttention(backend.name)
+        attn = ba.BatchAttention(backend.backend)
         attn.plan(layout, 4, 2, 8, variant=variant, num_ctas=3, fixed_split_size=2, rope_positions=positions)
         assert attn.work_plans[0].num_merges > 0, "the plan must split rows"
         assert_close(backend.numpy(attn.run(*args)), want, "attention", dtype, name=f"{backend.name} {dtype} split")
@@ -322,7 +340,7 @@ def test_batch_attention_cascade(backend):
 
 def test_run_writes_out_and_lse_buffers(backend):
     problem = paged_problem()
-    attn = ba.BatchAttention(backend=backend.name)
+    attn = ba.BatchAttention(backend=backend.backend)
     attn.plan(problem.case.layout, 4, 2, 8, variant=problem.variant, q_dtype="float32", kv_dtype="float32")
 
     def run(q, k, v, kv_layout):
@@ -342,8 +360,8 @@ def test_returns_the_array_kind_it_was_given(backend):
     q, k, v = raw_tensors(problem, "float32")
     layout = problem.case.layout
     native_q = backend.native(q, "float32")
-    native = ba.attention(native_q, *(backend.native(x, "float32") for x in (k, v)), layout, backend=backend.name)
-    from_numpy = ba.attention(*(x.astype(np.float32) for x in (q, k, v)), layout, backend=backend.name)
+    native = ba.attention(native_q, *(backend.native(x, "float32") for x in (k, v)), layout, backend=backend.backend)
+    from_numpy = ba.attention(*(x.astype(np.float32) for x in (q, k, v)), layout, backend=backend.backend)
     assert isinstance(from_numpy, np.ndarray) and from_numpy.dtype == np.float32
     assert type(native) is type(native_q)
     np.testing.assert_array_equal(backend.numpy(native), backend.numpy(from_numpy))
@@ -351,53 +369,53 @@ def test_returns_the_array_kind_it_was_given(backend):
 
 # ---- merge through the flag ---------------------------------------------------------------------------
 
-def test_merge_state(backend):
-    @backend.examples()
-    @given(partial_states(min_states=2, max_states=2), st.sampled_from([d for d in backend.dtypes if d != "float64"]))
+def test_merge_state(merging):
+    @merging.examples()
+    @given(partial_states(min_states=2, max_states=2), st.sampled_from([d for d in merging.dtypes if d != "float64"]))
     def check(states, dtype):
         o, lse = rounded(states[0], dtype), rounded(states[1], "float32")
-        got_o, got_lse = ba.merge_state(backend.array(o[:, 0], dtype), backend.array(lse[:, 0], "float32"),
-                                        backend.array(o[:, 1], dtype), backend.array(lse[:, 1], "float32"),
-                                        backend=backend.name)
+        got_o, got_lse = ba.merge_state(merging.array(o[:, 0], dtype), merging.array(lse[:, 0], "float32"),
+                                        merging.array(o[:, 1], dtype), merging.array(lse[:, 1], "float32"),
+                                        backend=merging.backend)
         want_o, want_lse = naive_merge(o, lse)
-        assert_close(backend.numpy(got_o), want_o, "merge", dtype, name=f"{backend.name} merge_state o")
-        assert_close(backend.numpy(got_lse), want_lse, "merge", "float32", name=f"{backend.name} merge_state lse")
+        assert_close(merging.numpy(got_o), want_o, "merge", dtype, name=f"{merging.name} merge_state o")
+        assert_close(merging.numpy(got_lse), want_lse, "merge", "float32", name=f"{merging.name} merge_state lse")
 
     check()
 
 
-def test_merge_states(backend):
-    @backend.examples()
-    @given(partial_states(max_states=7), st.sampled_from([d for d in backend.dtypes if d != "float64"]))
+def test_merge_states(merging):
+    @merging.examples()
+    @given(partial_states(max_states=7), st.sampled_from([d for d in merging.dtypes if d != "float64"]))
     def check(states, dtype):
         o, lse = rounded(states[0], dtype), rounded(states[1], "float32")
-        got_o, got_lse = ba.merge_states(backend.array(o, dtype), backend.array(lse, "float32"), backend=backend.name)
+        got_o, got_lse = ba.merge_states(merging.array(o, dtype), merging.array(lse, "float32"), backend=merging.backend)
         want_o, want_lse = naive_merge(o, lse)
-        assert_close(backend.numpy(got_o), want_o, "merge", dtype, name=f"{backend.name} merge_states o")
-        assert_close(backend.numpy(got_lse), want_lse, "merge", "float32", name=f"{backend.name} merge_states lse")
+        assert_close(merging.numpy(got_o), want_o, "merge", dtype, name=f"{merging.name} merge_states o")
+        assert_close(merging.numpy(got_lse), want_lse, "merge", "float32", name=f"{merging.name} merge_states lse")
 
     check()
 
 
-def test_merge_of_large_lses_does_not_overflow(backend):
+def test_merge_of_large_lses_does_not_overflow(merging):
     """The max shift: float32 ``exp`` overflows past 88; the states' LSEs are near 1000."""
     o_a, o_b = np.full((2, 1, 4), 1.0), np.full((2, 1, 4), 5.0)
     lse_a, lse_b = np.array([[1000.0], [-1000.0]]), np.array([[1000.0 + np.log(3.0)], [-1000.0 + np.log(3.0)]])
-    got_o, got_lse = ba.merge_state(*(backend.array(x, "float32") for x in (o_a, lse_a, o_b, lse_b)),
-                                    backend=backend.name)
+    got_o, got_lse = ba.merge_state(*(merging.array(x, "float32") for x in (o_a, lse_a, o_b, lse_b)),
+                                    backend=merging.backend)
     want_o, want_lse = naive_merge(np.stack([o_a, o_b], 1), rounded(np.stack([lse_a, lse_b], 1), "float32"))
-    assert_close(backend.numpy(got_o), want_o, "merge", "float32", name=f"{backend.name} merged o")
-    assert_close(backend.numpy(got_lse), want_lse, "merge", "float32", name=f"{backend.name} merged lse")
+    assert_close(merging.numpy(got_o), want_o, "merge", "float32", name=f"{merging.name} merged o")
+    assert_close(merging.numpy(got_lse), want_lse, "merge", "float32", name=f"{merging.name} merged lse")
 
 
-def test_merge_with_empty_states(backend):
+def test_merge_with_empty_states(merging):
     o = np.arange(12, dtype=np.float64).reshape(1, 3, 4) / 7
     lse = np.array([[0.5, -2.0, 3.0]])
     zero, dead = np.zeros_like(o), np.full_like(lse, -np.inf)
-    got_o, got_lse = ba.merge_state(*(backend.array(x, "float32") for x in (o, lse, zero, dead)),
-                                    backend=backend.name)
-    np.testing.assert_array_equal(backend.numpy(got_o), o.astype(np.float32))
-    np.testing.assert_array_equal(backend.numpy(got_lse), lse.astype(np.float32))
-    got_o, got_lse = ba.merge_state(*(backend.array(x, "float32") for x in (zero, dead, zero, dead)),
-                                    backend=backend.name)
-    assert (backend.numpy(got_o) == 0).all() and (backend.numpy(got_lse) == -np.inf).all()
+    got_o, got_lse = ba.merge_state(*(merging.array(x, "float32") for x in (o, lse, zero, dead)),
+                                    backend=merging.backend)
+    np.testing.assert_array_equal(merging.numpy(got_o), o.astype(np.float32))
+    np.testing.assert_array_equal(merging.numpy(got_lse), lse.astype(np.float32))
+    got_o, got_lse = ba.merge_state(*(merging.array(x, "float32") for x in (zero, dead, zero, dead)),
+                                    backend=merging.backend)
+    assert (merging.numpy(got_o) == 0).all() and (merging.numpy(got_lse) == -np.inf).all()

@@ -281,3 +281,57 @@ def test_merge_states_real_size(gpu_backend, dtype):
     want_o, want_lse = merge_states(o, lse.astype(np.float64))
     assert_close(gpu_backend.numpy(got_o), want_o, "merge", dtype, name="merge_states o")
     assert_close(gpu_backend.numpy(got_lse), want_lse, "merge", "float32", name="merge_states lse")
+
+
+def _device_buffers(tier_name, shape_o, shape_lse):
+    """``out`` and ``lse`` buffers in the device kind a tier's callers hold (Numba device arrays for numba, CUDA
+    tensors for torch and for the reference, which takes torch tensors), poisoned with NaN."""
+    if tier_name == "numba":
+        from numba import cuda
+
+        return (cuda.to_device(np.full(shape_o, np.nan, np.float32)),
+                cuda.to_device(np.full(shape_lse, np.nan, np.float32)))
+    import torch
+
+    return (torch.full(shape_o, float("nan"), device="cuda"), torch.full(shape_lse, float("nan"), device="cuda"))
+
+
+def _inputs_of(tier_name, *arrays):
+    if tier_name == "numba":
+        from numba import cuda
+
+        return [cuda.to_device(np.ascontiguousarray(x)) for x in arrays]
+    import torch
+
+    return [torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in arrays]
+
+
+def _host(x):
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else x.cpu().numpy()
+
+
+@pytest.mark.parametrize("path", ["sinks", "cascade", "cascade and sinks"])
+@pytest.mark.parametrize("tier_name", ["reference", "numba", "torch"])
+def test_device_buffers_on_every_merged_path(tier_name, path):
+    """``out=``/``lse=`` of the device kind a tier's callers hold, on the paths that merge states after the
+    kernels (attention sinks, a Cascade's levels, both): written in place, equal to the NumPy call."""
+    tier = load_tier(tier_name)
+    rng = _rng(11)
+    hq, hkv, d = 8, 2, 64
+    sinks = tuple(rng.standard_normal(hq).tolist()) if "sinks" in path else None
+    variant = ba.Variant(causal=True, sinks=sinks)
+    if "cascade" in path:
+        layout = ba.layouts.shared_prefix([2, 1], [0, 1], 20, [[2], [3]], [5, 9], page_size=16, num_pages=4)
+        pool = 4
+    else:
+        layout = ba.layouts.paged([2, 1], [[0, 1], [2]], [20, 9], page_size=16, num_pages=3)
+        pool = 3
+    q = rng.standard_normal((layout.nnz_qo, hq, d)).astype(np.float32)
+    k, v = rng.standard_normal((2, pool, 16, hkv, d)).astype(np.float32)
+    want_o, want_lse = ba.attention(q, k, v, layout, variant=variant, return_lse=True)
+    out, lse = _device_buffers(tier_name, q.shape, q.shape[:2])
+    got_o, got_lse = ba.attention(*_inputs_of(tier_name, q, k, v), layout, variant=variant, backend=tier.backend,
+                                  out=out, lse=lse, return_lse=True)
+    assert got_o is out and got_lse is lse
+    assert_close(_host(out), want_o, "attention", "float32")
+    assert_close(_host(lse), want_lse, "lse", "float32")

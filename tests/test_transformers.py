@@ -265,7 +265,11 @@ def test_what_bsrattn_does_not_compute_is_refused(kwargs, message):
     (torch.zeros(2, 8, 5, 9, dtype=torch.bool), ValueError, r"attention_mask has shape \(2, 8, 5, 9\)"),
     (torch.full((2, 1, 5, 9), 0.5), ValueError, r"attention_mask holds the additive value 0\.5"),
     (torch.ones(2, 1, 5, 9, dtype=torch.int64), TypeError, r"attention_mask has dtype torch\.int64"),
-], ids=["per-head", "bias", "integer"])
+    (torch.zeros(2, 1, 5, 9).index_fill(3, torch.tensor([4]), float("nan")), ValueError,
+     r"attention_mask holds the additive value nan"),
+    (torch.zeros(2, 1, 5, 9).index_fill(3, torch.tensor([4]), -2e38), ValueError,
+     r"attention_mask holds the additive value -1\.99\d*e\+38"),
+], ids=["per-head", "bias", "integer", "NaN", "a large negative bias"])
 def test_a_mask_bsrattn_cannot_read_is_refused(mask, error, message):
     query, key, value = _qkv()
     with pytest.raises(error, match=message):

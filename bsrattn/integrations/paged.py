@@ -27,7 +27,10 @@ except ImportError as err:
     raise ImportError("bsrattn.integrations.paged needs torch: pip install 'bsrattn[torch]'") from err
 
 from bsrattn import layouts
-from bsrattn.layout import BSRLayout, Cascade, as_int
+from bsrattn.indexing import ceil_div
+from bsrattn.cascade import Cascade
+from bsrattn.coerce import as_int
+from bsrattn.layout import BSRLayout
 
 __all__ = ["PagedKVCache"]
 
@@ -146,7 +149,7 @@ class PagedKVCache:
         if request not in self._lengths:
             self.open(request)
         pages, start = self._pages[request], self._lengths[request]
-        need = -(-(start + num_tokens) // self.page_size) - len(pages)
+        need = ceil_div(start + num_tokens, self.page_size) - len(pages)
         if need > len(self._free):
             raise RuntimeError(f"request {request!r} needs {need} more pages; the pool has {len(self._free)} free "
                                f"of {self.num_pages}")
@@ -206,7 +209,7 @@ class PagedKVCache:
             for layer in range(pool.shape[0]):  # the sources are gathered first, so none is overwritten early
                 pool[(layer, *self._at(dst.to(pool.device)))] = pool[(layer, *self._at(src.to(pool.device)))]
         self._lengths[request] = start + len(offsets)
-        keep_pages = -(-self._lengths[request] // self.page_size)
+        keep_pages = ceil_div(self._lengths[request], self.page_size)
         self._free.extend(reversed(self._pages[request][keep_pages:]))
         del self._pages[request][keep_pages:]
 

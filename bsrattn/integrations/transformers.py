@@ -205,7 +205,7 @@ def _visible(attention_mask, batch_size, qo_len, kv_len) -> np.ndarray:
         seen = mask
     elif mask.is_floating_point():
         seen = mask == 0
-        bias = ~seen & (mask > torch.finfo(mask.dtype).min / 2)
+        bias = ~(seen | (mask == -torch.inf) | (mask == torch.finfo(mask.dtype).min))  # NaN included
         if bias.any():
             raise ValueError(f"attention_mask holds the additive value {mask[bias][0].item()!r}; bsrattn takes "
                              f"masks (0 attends, -inf or the dtype's minimum does not), not biases")

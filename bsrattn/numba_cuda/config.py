@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from bsrattn.indexing import ceil_div
 from bsrattn.numba_cuda.formats import storage_dtype
 from bsrattn.numba_cuda.launch import SIMULATOR
 
@@ -55,7 +56,7 @@ def blocks_for(n: int, threads: int = MERGE_THREADS) -> int:
     >>> blocks_for(1000, 128), blocks_for(0, 128)
     (8, 1)
     """
-    return max(1, -(-n // threads))
+    return max(1, ceil_div(n, threads))
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Config:
     """Everything a compiled attention kernel is specialised on."""
 
     head_dim: int
-    group: int              # query heads per KV head
+    group_size: int              # query heads per KV head
     q_format: str           # also the output's
     kv_format: str
     compute_name: str       # "float32", or "float64" for float64 inputs
@@ -113,30 +114,30 @@ class Config:
 
     @property
     def max_nq(self) -> int:
-        return self.tile_rows * self.group
+        return self.tile_rows * self.group_size
 
     @property
     def acc_per_thread(self) -> int:
-        return -(-self.max_nq * self.head_dim // self.num_threads)
+        return ceil_div(self.max_nq * self.head_dim, self.num_threads)
 
     @property
     def words_per_thread(self) -> int:
         """Words of one K (or V) tile each thread copies."""
-        return -(-self.tile_kv * self.row_words // self.num_threads)
+        return ceil_div(self.tile_kv * self.row_words, self.num_threads)
 
 
-def shared_bytes(head_dim, group, tile_rows, tile_kv, row_bytes, word_size, compute_size, rope=False) -> int:
+def shared_bytes(head_dim, group_size, tile_rows, tile_kv, row_bytes, word_size, compute_size, rope=False) -> int:
     """Static shared memory of one block: K and V tiles, queries, scores and probabilities, running state,
     tile rows, the visible (query, key) pairs of a tile (one byte each), and with fused RoPE the turned K tile
     in the compute precision."""
-    nq = tile_rows * group
+    nq = tile_rows * group_size
     kv = 2 * tile_kv * (row_bytes + word_size)
     turned = tile_kv * head_dim if rope else 0
     return (kv + compute_size * (nq * head_dim + 2 * nq * tile_kv + 5 * nq + turned) + 8 * tile_kv
             + nq * tile_kv)
 
 
-def query_tile_rows(group: int) -> int:
+def query_tile_rows(group_size: int) -> int:
     """Query rows a block holds at once: ``MAX_QUERIES // G``, at least one (the plan's ``tile_q``).
 
     Examples
@@ -145,10 +146,10 @@ def query_tile_rows(group: int) -> int:
     >>> query_tile_rows(1) == config.MAX_QUERIES, query_tile_rows(10 * config.MAX_QUERIES)
     (True, 1)
     """
-    return max(1, MAX_QUERIES // group)
+    return max(1, MAX_QUERIES // group_size)
 
 
-def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size, item_rows, rope=False):
+def choose_tiles(head_dim, group_size, kv_itemsize, word_size, compute_size, item_rows, rope=False):
     """``(tile_rows, tile_kv)``: :func:`query_tile_rows`, or fewer when no work item has more query rows
     (decode: 1), and the largest power-of-two KV tile up to ``TILE_KV`` whose shared memory (with the turned K
     tile of fused RoPE when ``rope``) fits ``SHARED_MEMORY_LIMIT``.
@@ -160,12 +161,12 @@ def choose_tiles(head_dim, group, kv_itemsize, word_size, compute_size, item_row
     >>> rows, tile_kv == config.TILE_KV
     (1, True)
     """
-    tile_rows = max(1, min(query_tile_rows(group), item_rows))
+    tile_rows = max(1, min(query_tile_rows(group_size), item_rows))
     tile_kv = TILE_KV
-    while shared_bytes(head_dim, group, tile_rows, tile_kv, head_dim * kv_itemsize, word_size,
+    while shared_bytes(head_dim, group_size, tile_rows, tile_kv, head_dim * kv_itemsize, word_size,
                        compute_size, rope) > SHARED_MEMORY_LIMIT:
         if tile_kv == 1:
-            raise ValueError(f"head_dim={head_dim} with {group} query heads per KV head does not fit the numba "
+            raise ValueError(f"head_dim={head_dim} with {group_size} query heads per KV head does not fit the numba "
                              f"tier's {SHARED_MEMORY_LIMIT} bytes of shared memory per block")
         tile_kv //= 2
     return tile_rows, tile_kv

@@ -1,4 +1,9 @@
-"""The persistent kernel that executes a :class:`~bsrattn.scheduler.WorkPlan`, then the deterministic merge.
+"""The shipped kernel, over the core (:mod:`.core`): a persistent grid, the gather a tile ahead, the affine path.
+
+What it adds to the core's kernel, which runs one block per work item and gathers, then computes: one block per
+(plan CTA, KV head) walking that CTA's items, so the launch is fixed by the plan; the next tile's K and V in flight
+while the microkernel runs on this one; rows whose KV is one run of slots read affinely, without the indices;
+deterministic mode (:mod:`.runner`: items of one chunk of the grid, a KV tile that no plan changes).
 
 Matches :func:`bsrattn.reference.executor.execute`, CTA for CTA. The grid is fixed by the plan, not by the
 batch: ``(work_plan.num_ctas, num_kv_heads)`` blocks. Block ``(c, h)`` walks CTA ``c``'s items
@@ -11,7 +16,7 @@ each sub-tile of its query rows, it loops over the item's KV range one ``tile_kv
     probabilities  p = exp(s - m_new), alpha = exp(m - m_new) (or sigmoid)      microkernel.py
     accumulate     acc = alpha acc + P V, l = alpha l + sum p                    microkernel.py
     store_rows     registers -> shared memory: the next tile is ready            gather.py
-    resolve_rows   storage rows of the tile after it (sparse or dense path)      gather.py
+    resolve_rows   storage rows of the tile after it (sparse or affine path)      gather.py
 
 with a block-wide barrier after scores, probabilities, accumulate and the store. The gather runs one tile
 ahead of the microkernel, through registers, so a block always has loads in flight while it computes.
@@ -21,22 +26,14 @@ writes its partial ``(o, lse)`` into its plan-assigned workspace rows, which the
 (:func:`.merge.plan_merge_kernel`) folds afterwards in the plan's order. No atomics anywhere, so the result
 is a pure function of the inputs and the plan.
 
-Kernels are specialised per :class:`~bsrattn.numba_cuda.config.Config` (head_dim, GQA group, dtypes, storage order, which variant
-features are on): the shapes of shared and local arrays must be compile-time constants in CUDA, and features
-that are off compile away.
+Kernels are specialised per :class:`~bsrattn.numba_cuda.config.Config` (head_dim, GQA group, dtypes, storage
+order, which variant features are on): the shapes of shared and local arrays must be compile-time constants in
+CUDA, and features that are off compile away.
 
-How the kernel got here (read off the sm_90 PTX and ``ptxas -v``; GPU timings: W1 of the benchmark suite,
-queued behind a spin kernel):
-
-1. ``65f9877`` a copy that waited for each load before the next: one 8-byte load in flight per thread;
-2. (2-5: ``80cc9f1``) two-phase copy (all of a thread's loads, then all stores): the loads unroll and travel
-   together;
-3. ``while`` instead of ``range()`` in the innermost loops: 4 instructions per dot-product step, not 21;
-4. query sub-tiles sized by the plan's tallest item: decode holds 1 query row, not 16, which frees the
-   shared memory for 64-key tiles (35 KB a block with fp16, head_dim 128);
-5. the gather one tile ahead through registers (this file): loads overlap the microkernel; ~250 registers
-   a thread, so 2 blocks of 128 threads per SM (``config.CTAS_PER_SM``). W1 at 64 / 512 pages a head: 24.4 /
-   74.3 us (17% / 43% of the copy bandwidth; ``benchmarks/NOTES.md``).
+How the kernel got here, one rung at a time (a copy that waited for each load; the two-phase copy; ``while``
+for ``range()`` in the innermost loops; query sub-tiles sized by the plan; the gather one tile ahead through
+registers, this file): what each rung added, what it measured and its commit are the numba tier's ladder in
+``benchmarks/NOTES.md``.
 """
 
 from __future__ import annotations
@@ -65,7 +62,8 @@ def persistent_kernel(cfg: Config):
     resolve_rows, load_rows, store_rows = make_gather(cfg)
     load_queries, turn_keys, scores, probabilities, accumulate, flag_rows, finish = make_microkernel(cfg)
     compute, word, element = cfg.compute, cfg.word, cfg.element
-    head_dim, group, tile_kv, tile_rows, max_nq = cfg.head_dim, cfg.group, cfg.tile_kv, cfg.tile_rows, cfg.max_nq
+    head_dim, group_size, tile_kv = cfg.head_dim, cfg.group_size, cfg.tile_kv
+    tile_rows, max_nq = cfg.tile_rows, cfg.max_nq
     row_stride, acc_per_thread, words_per_thread = cfg.row_stride, cfg.acc_per_thread, cfg.words_per_thread
     seen_shape = (max_nq, tile_kv) if cfg.hidden_keys else (1, 1)
     rope = cfg.rope
@@ -107,7 +105,7 @@ def persistent_kernel(cfg: Config):
             block_start, first_slot, mask_start = items[w, BLOCK_START], items[w, FIRST_SLOT], items[w, MASK_START]
             rope_offset = items[w, ROPE_OFFSET]
             for q_row0 in range(item_q0, item_q1, tile_rows):
-                nq = min(tile_rows, item_q1 - q_row0) * group
+                nq = min(tile_rows, item_q1 - q_row0) * group_size
                 load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head, rope_freq, rope_q)
                 resolve_rows(t, kv_rows_s, kv_indices, block_start, first_slot, block_size, num_kv_heads,
                              kv_head, kv_start, kv_end)

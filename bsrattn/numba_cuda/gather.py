@@ -8,7 +8,7 @@ The two ways of naming a tile's pool slots sit side by side, as in the paper:
 
 - the **sparse path** goes through the BSR indices, ``j = kv_indices[kv_indptr[r] + i // Bc] * Bc + i % Bc``
   (:func:`bsrattn.indexing.sparse_slot`): paged caches, Quest, vector-sparse KV, trees;
-- the **dense path** is affine, ``j = first_slot[r] + i`` (:func:`bsrattn.indexing.dense_slot`), taken by a
+- the **affine path**, ``j = first_slot[r] + i`` (:func:`bsrattn.indexing.affine_slot`), taken by a
   row whose KV is one contiguous run of slots (ragged and dense layouts, consecutive pages): the choice is
   the row's, read from its item row (:func:`bsrattn.items.first_slots`).
 
@@ -24,7 +24,7 @@ from bsrattn import indexing
 from bsrattn.numba_cuda.launch import device
 
 sparse_slot = device(indexing.sparse_slot)
-dense_slot = device(indexing.dense_slot)
+affine_slot = device(indexing.affine_slot)
 nhd_row = device(indexing.nhd_row)
 hnd_row = device(indexing.hnd_row)
 
@@ -70,14 +70,14 @@ def make_gather(cfg):
     def resolve_rows(t, kv_rows, kv_indices, row_block_start, row_first_slot, block_size, num_kv_heads, kv_head,
                      kv0, kv_end):
         """Thread ``t``'s share of ``kv_rows [tile_kv]`` (shared) <- the storage row of logical slot ``kv0 + j``
-        of the block row, -1 past its end; the dense path when ``row_first_slot >= 0``
+        of the block row, -1 past its end; the affine path when ``row_first_slot >= 0``
         (:func:`bsrattn.items.first_slots`)."""
         for j in range(t, tile_kv, threads):
             i = kv0 + j
             row = -1
             if i < kv_end:
                 if row_first_slot >= 0:
-                    slot = dense_slot(row_first_slot, i)
+                    slot = affine_slot(row_first_slot, i)
                 else:
                     slot = sparse_slot(kv_indices, row_block_start, block_size, i)
                 if hnd:

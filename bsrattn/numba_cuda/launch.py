@@ -9,6 +9,7 @@ simulator every launch goes through Numba).
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 import threading
@@ -19,6 +20,30 @@ from numba import cuda
 from numba.cuda.core import config
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+
+
+def where_kernels_run() -> str:
+    """``"simulator"`` or ``"gpu"``: where this tier's kernels can run in this process, read when it loads.
+
+    Raises
+    ------
+    bsrattn.BackendError
+        Neither: no CUDA GPU, and Numba's CUDA simulator off. The message says which variable to set, and when
+        (Numba reads it once, when it is first imported).
+    """
+    if SIMULATOR:
+        return "simulator"
+    if cuda.is_available():
+        return "gpu"
+    from bsrattn.backends import BackendError
+
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        raise BackendError("the numba tier found no CUDA GPU, and NUMBA_ENABLE_CUDASIM was set after numba was "
+                           "imported, which Numba does not see: restart the process with it set (on the command "
+                           "line, or in the program's first lines, before anything imports numba)")
+    raise BackendError("the numba tier needs a CUDA GPU or Numba's CUDA simulator, and this machine has no GPU that "
+                       "Numba can use: set NUMBA_ENABLE_CUDASIM=1 before numba is imported (on the command line, "
+                       "or in the program's first lines) to run it in the simulator")
 
 
 def kernel(fn, threads: int, min_blocks: int = 0):
@@ -135,9 +160,9 @@ class Launch:
 
     ``kernel[grid, threads](*args)`` types every argument to select the compiled overload, then converts each
     into the C arguments of the launch (a device array: a new view of its address, shape and strides), under
-    checks of the CUDA context. A decode call (two launches, 29 arguments; 32/8 heads, 1 x 1024 keys) cost about
-    800 µs of host time that way on the H200 (numba-cuda 0.30.4), many times its GPU time; with its launches kept
-    (and the device views of its tensors, :mod:`.runner`), about 55 µs.
+    checks of the CUDA context. A decode call (two launches, 29 arguments) costs many times its GPU time in host
+    work that way; its launches kept (and the device views of its tensors, :mod:`.runner`) cost a fraction of
+    that (the figures: ``benchmarks/NOTES.md``, the numba tier's ladder).
 
     A ``Launch`` makes its first launch through Numba, then keeps the overload Numba selected, the arguments as
     that overload's own ``_prepare_args`` converts them (so they are what Numba would pass, in its ABI), the

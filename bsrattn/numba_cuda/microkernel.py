@@ -42,7 +42,8 @@ tile_head = device(indexing.tile_head)
 
 def make_microkernel(cfg):
     """The microkernel's device functions for one kernel configuration (see ``config.Config``)."""
-    compute, threads, tile_kv, head_dim, group = cfg.compute, cfg.num_threads, cfg.tile_kv, cfg.head_dim, cfg.group
+    compute, threads, tile_kv = cfg.compute, cfg.num_threads, cfg.tile_kv
+    head_dim, group_size = cfg.head_dim, cfg.group_size
     acc_per_thread = cfg.acc_per_thread
     causal, soft_cap, alibi, sigmoid, rope, custom_mask = (cfg.causal, cfg.soft_cap, cfg.alibi, cfg.sigmoid,
                                                            cfg.rope, cfg.custom_mask)
@@ -59,7 +60,7 @@ def make_microkernel(cfg):
         if rope:
             for e in range(t, nq * half, threads):
                 i, d = e // half, e % half
-                row, head = q_row0 + tile_query(i, group), tile_head(kv_head, group, i)
+                row, head = q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i)
                 angle = compute(rope_q[row]) * compute(rope_freq[d])
                 lo, hi = decode_q(q[row, head, d]), decode_q(q[row, head, d + half])
                 q_tile[i, d] = lo * math.cos(angle) - hi * math.sin(angle)
@@ -67,7 +68,7 @@ def make_microkernel(cfg):
         else:
             for e in range(t, nq * head_dim, threads):
                 i, d = e // head_dim, e % head_dim
-                q_tile[i, d] = decode_q(q[q_row0 + tile_query(i, group), tile_head(kv_head, group, i), d])
+                q_tile[i, d] = decode_q(q[q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i), d])
         for i in range(t, nq, threads):
             m_run[i] = neg_inf
             l_run[i] = zero
@@ -103,7 +104,7 @@ def make_microkernel(cfg):
         for e in range(t, nq * tile_kv, threads):
             i, j = e // tile_kv, e % tile_kv
             k_pos = kv0 + j
-            local_q = q_row0 + tile_query(i, group) - row_q_start
+            local_q = q_row0 + tile_query(i, group_size) - row_q_start
             q_pos = query_position(qo_len, kv_len, local_q)
             visible = k_pos < kv_end and key_visible(q_pos, k_pos, causal, window_left)
             if custom_mask and visible:
@@ -123,7 +124,7 @@ def make_microkernel(cfg):
                 if soft_cap:
                     s = cap * math.tanh(s / cap)
                 if alibi:
-                    s += compute(alibi_slopes[tile_head(kv_head, group, i)]) * compute(k_pos - q_pos)
+                    s += compute(alibi_slopes[tile_head(kv_head, group_size, i)]) * compute(k_pos - q_pos)
             s_tile[i, j] = s
             if hidden_keys:
                 seen[i, j] = 1 if visible else 0
@@ -214,7 +215,7 @@ def make_microkernel(cfg):
                     o = zero
                 else:
                     o = nan if bad[i] != zero else acc[n] / l_run[i] * v_scale
-                row, head = q_row0 + tile_query(i, group), tile_head(kv_head, group, i)
+                row, head = q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i)
                 if part_row0 < 0:
                     out[row, head, d] = encode_out(o)
                 else:
@@ -222,7 +223,7 @@ def make_microkernel(cfg):
         if not sigmoid:
             for i in range(t, nq, threads):
                 s = m_run[i] + math.log(l_run[i]) if l_run[i] != zero else neg_inf
-                row, head = q_row0 + tile_query(i, group), tile_head(kv_head, group, i)
+                row, head = q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i)
                 if part_row0 < 0:
                     lse[row, head] = s
                 else:

@@ -124,7 +124,7 @@ class Runner:
         tile_rows, tile_kv = choose_tiles(spec.head_dim, spec.group_size, numpy_dtype(kv_format).itemsize,
                                           word_size, np.dtype(compute_name).itemsize, self.item_rows,
                                           variant.use_rope)
-        return Config(head_dim=spec.head_dim, group=spec.group_size, q_format=q_format, kv_format=kv_format,
+        return Config(head_dim=spec.head_dim, group_size=spec.group_size, q_format=q_format, kv_format=kv_format,
                       compute_name=compute_name, kv_hnd=kv_view == "HND", causal=variant.causal,
                       window=variant.window_left >= 0, soft_cap=variant.logits_soft_cap > 0,
                       alibi=variant.alibi_slopes is not None,

@@ -45,7 +45,7 @@ def attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
     :func:`~bsrattn.reference.microkernel.attend`'s. Returns ``(o [n, Hq, D], lse [n, Hq])`` in ``dtype``.
     """
     layout, variant, size = spec.layout, spec.variant, spec.split_size
-    group = spec.group_size
+    group_size = spec.group_size
     qo_len, kv_len = int(layout.qo_lens[r]), int(layout.kv_lens[r])
     local = np.arange(qo_start, qo_end) - int(layout.qo_indptr[r])
     q_pos = indexing.query_position(qo_len, kv_len, local)
@@ -61,9 +61,9 @@ def attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
         freqs = variant.rope_frequencies(spec.head_dim)
         q = rope(q, q_rot[qo_start:qo_end], freqs)
         k = rope(k, k_pos + int(k_offset[r]), freqs)
-    k_heads = np.repeat(k, group, axis=1).transpose(1, 0, 2)                    # [Hq, S, D]
+    k_heads = np.repeat(k, group_size, axis=1).transpose(1, 0, 2)               # [Hq, S, D]
     finite = np.isfinite(v)
-    v_bad = np.repeat(~finite.all(axis=2), group, axis=1)                      # [S, Hq]
+    v_bad = np.repeat(~finite.all(axis=2), group_size, axis=1)                 # [S, Hq]
     mask = layout.row_mask(r)
     o = np.zeros(q.shape, dtype)
     lse = np.full(q.shape[:2], -np.inf, dtype)
@@ -72,7 +72,7 @@ def attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
         if mask is not None:
             visible[:count] &= mask[local[i], kv_start:kv_end]
         poisoned = (visible[:, None] & v_bad).any(axis=0)                      # [Hq]
-        v_heads = np.repeat(np.where(visible[:, None, None] & finite, v, 0), group, axis=1).transpose(1, 2, 0)
+        v_heads = np.repeat(np.where(visible[:, None, None] & finite, v, 0), group_size, axis=1).transpose(1, 2, 0)
         with np.errstate(invalid="ignore", over="ignore"):
             s = transform(np.sum(q[i][:, None, :] * k_heads, axis=-1)[:, None, :], q_pos[i:i + 1], k_pos, variant,
                           spec.sm_scale, dtype)[:, 0]                           # [Hq, S]

@@ -36,7 +36,7 @@ def row_slots(layout, r: int, kv_start: int, kv_end: int) -> np.ndarray:
 def gather(kv_slots: np.ndarray, layout, r: int, kv_start: int, kv_end: int) -> np.ndarray:
     """``[kv_end - kv_start, num_kv_heads, head_dim]``: the KV rows of a range of row ``r``.
 
-    A range whose slots are consecutive (ragged and dense layouts: the "dense path") is a view of the pool, not
+    A range whose slots are consecutive (ragged and dense layouts: the affine path) is a view of the pool, not
     a copy; the values are the same either way.
     """
     slots = row_slots(layout, r, kv_start, kv_end)

@@ -6,7 +6,7 @@ properties check the contract on every tier, bit for bit (``out`` and ``lse``), 
 other ways: another batch around them, another ``num_ctas``, paged or ragged storage, a decode step or the same
 query as a row of a causal prefill, a Cascade or its flat layout, one call or two KV pieces merged with
 :func:`bsrattn.merge_state`, a fresh object or a re-planned one. The reference runs in float64 and the emulated
-tiers in float32: a fold in another order, or a chunk cut elsewhere, changes the last bits (``test_determinism``
+tiers in float32: a fold in another order, or a chunk cut elsewhere, changes the last bits (``test_merge_order``
 shows it), so the comparisons can fail. The GPU tests (``gpu`` marker) check the compiled kernels at real sizes
 in bf16 on the H200, CUDA graph replays across re-plans included.
 """
@@ -229,6 +229,29 @@ def test_kv_pieces_merged_in_order_equal_one_call(tier):
             assert np.array_equal(x, y), f"{name}: merged pieces differ from one call by {np.abs(x - y).max()}"
 
     check()
+
+
+def test_float32_pieces_on_the_reference_tier_match_one_call_to_rounding():
+    """The reference folds its chunk states in float64 and rounds once: float32 pieces, each rounded before the
+    merge, land within float32 rounding of the one call (the condition its docs state), not bitwise."""
+    rng = np.random.default_rng(3)
+    length, cut, queries, split = 200, 128, 8, 64
+    q = rng.standard_normal((queries, HQ, D)).astype(np.float32)
+    k, v = (rng.standard_normal((length, HKV, D)).astype(np.float32) for _ in range(2))
+    causal = ba.Variant(causal=True)
+
+    def run(layout, q, k, v, variant):
+        return ba.attention(q, k, v, layout, variant=variant, return_lse=True, deterministic=True, split_size=split)
+
+    whole = run(ba.layouts.ragged([queries], [length]), q, k, v, causal)
+    before = run(ba.layouts.ragged([queries], [cut]), q, k[:cut], v[:cut], ba.Variant())
+    after = run(ba.layouts.ragged([queries], [length - cut]), q, k[cut:], v[cut:], causal)
+    merged = ba.merge_state(*before, *after)
+    eps = np.finfo(np.float32).eps
+    for x, y, name in zip(merged, whole, ("out", "lse")):
+        assert x.dtype == y.dtype == np.float32
+        error = np.abs(x - y).max() / max(1.0, np.abs(y).max())
+        assert error <= 2 * eps, f"{name}: merged float32 pieces are {error / eps:.1f} eps from the one call"
 
 
 def test_one_shot_attention_is_the_planned_call():
