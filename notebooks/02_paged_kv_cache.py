@@ -154,3 +154,12 @@ axes[1].set_title("read amplification shrinks with the page")
 axes[1].legend()
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercise of the course that goes with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 3, **page-table** (`python -m bsrattn.exercises check 3`): A page table as BSR: the `kv_indptr`,
+#   `kv_indices` and `kv_last_len` of a paged KV cache.

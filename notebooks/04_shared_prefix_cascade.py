@@ -158,3 +158,12 @@ ax.set_ylabel("plain bytes / cascade bytes")
 ax.set_title("KV bytes a decode step must read")
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercise of the course that goes with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 8, **cascade** (`python -m bsrattn.exercises check 8`): A cascade: a shared prefix as one block row of
+#   every request's queries, then each request's suffix.

@@ -185,3 +185,12 @@ axes[1].set_ylabel("tree tiles with a visible pair")
 axes[1].set_title("the tree part on (16, 16) tiles")
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercise of the course that goes with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 21, **tree-mask** (`python -m bsrattn.exercises check 21`): A draft tree as a custom mask: each node sees
+#   the committed tokens, its ancestors and itself.

@@ -214,3 +214,12 @@ for budget in sorted({b for b, _ in measured}):
     cells = [f"{label} {measured[budget, impl]['time_us']:.1f}" for impl, label in names.items()
              if (budget, impl) in measured and measured[budget, impl].get("time_mode") == "graph"]
     print(f"budget {budget:3d} pages, µs: " + ", ".join(cells))
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercise of the course that goes with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 9, **quest** (`python -m bsrattn.exercises check 9`): Quest's page selection: keep the pages whose keys
+#   could score highest, by an upper bound of `q . k`.

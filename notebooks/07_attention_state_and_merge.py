@@ -242,3 +242,18 @@ for label, kwargs in [("no split", dict(disable_split_kv=True)), ("Algorithm 1",
     print(f"{label:>12}: {work_plan.num_items:4d} items, {work_plan.num_merges} merges, "
           f"{work_plan.num_partial_rows:4d} partial rows = {workspace / 2**10:6.0f} KiB of workspace "
           f"({workspace / kv_bytes:.2%} of the KV bytes read), makespan {ba.scheduler.makespan(work_plan):.0f}")
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercises of the course that go with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 1, **lse** (`python -m bsrattn.exercises check 1`): The LSE of a row of scores: log(sum(exp(s))) in natural
+#   log, without overflow; -inf for an empty row.
+# - Exercise 2, **merge** (`python -m bsrattn.exercises check 2`): ⊕, the merge of two attention states, and its
+#   identity, the empty state (lse = -inf).
+# - Exercise 10, **online-softmax** (`python -m bsrattn.exercises check 10`): The online softmax: attention over keys
+#   that arrive one tile at a time, in a single pass.
+# - Exercise 13, **split-merge** (`python -m bsrattn.exercises check 13`): Split a row's KV into chunks, attend to each
+#   on its own, and merge the states in order.

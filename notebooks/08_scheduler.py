@@ -178,3 +178,16 @@ for batch in (1, 64, 256, 1024):
     for _ in range(20):
         ba.scheduler.plan(ones, lens, num_ctas=132)
     print(f"batch {batch:5d}: plan() {(time.perf_counter() - start) / 20 * 1e6:8.1f} µs here")
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercises of the course that go with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 14, **plan-merges** (`python -m bsrattn.exercises check 14`): The merges of a WorkPlan: fold each split
+#   query tile's partial states, in the order the plan lists them.
+# - Exercise 15, **lpt-plan** (`python -m bsrattn.exercises check 15`): Algorithm 1, FlashInfer's scheduler: KV chunks
+#   of `L_kv`, longest first, each onto the least-loaded CTA.
+# - Exercise 16, **makespan** (`python -m bsrattn.exercises check 16`): The makespan of a plan: when its busiest CTA
+#   finishes, under the cost model; and how early it could.

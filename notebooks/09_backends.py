@@ -271,3 +271,18 @@ for name in tiers.available():
 shared = shared_bytes(head_dim, cfg.group, cfg.tile_rows, cfg.tile_kv, head_dim * 4, cfg.word_size, 4)
 print(f"numba tier here: grid ({work_plan.num_ctas}, {num_kv_heads}) x {cfg.num_threads} threads, "
       f"{cfg.tile_kv}-key tiles, {cfg.max_nq} (query, head) pairs per block, {shared} bytes of shared memory")
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercises of the course that go with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 12, **block-row** (`python -m bsrattn.exercises check 12`): Attention of one block row: the gather
+#   (exercise 11), then the online softmax (exercise 10), tile by tile.
+# - Exercise 19, **numba-tile** (`python -m bsrattn.exercises check 19`): One tile of a CUDA kernel, in Numba: each
+#   query's online-softmax update over one gathered KV tile.
+# - Exercise 20, **triton-tile** (`python -m bsrattn.exercises check 20`): One tile of a Triton kernel: K/V rows
+#   gathered through slot indices, `tl.dot`, the online softmax.
+# - Exercise 22, **score-transform** (`python -m bsrattn.exercises check 22`): Score transforms: the scale, the logits
+#   soft cap and ALiBi, in FlashInfer's order.

@@ -319,7 +319,7 @@ if batches:
         print(f"{b:6d} {fast:12.1f} {fixed:19.1f} {fixed / fast:6.2f}x")
 else:
     print("No measured results for workload 4 in benchmarks/results/ yet: they come from "
-          "`python3 benchmarks/run_all.py --only w4` on the H200. Nothing measured, nothing shown.")
+          "`python3 -m benchmarks.run_all --only w4` on the H200. Nothing measured, nothing shown.")
 
 # %% [markdown]
 # The ratio column is the price on the H200 at the commit named above (`benchmarks/NOTES.md` keeps the ladder of
@@ -327,3 +327,12 @@ else:
 # bit: the same request gives the same bytes whatever it is batched with, however it is stored, and however its
 # keys are split. Use it where reproducibility matters (evaluation, debugging, output caches, comparing a serving
 # stack against offline runs) and leave it off where only throughput does.
+
+# %% [markdown]
+# ## Exercises
+#
+# The exercise of the course that goes with this notebook; `python -m bsrattn.exercises start` copies the stubs into a
+# folder of your own (`./bsrattn-exercises`), and `python -m bsrattn.exercises list` names the whole course:
+#
+# - Exercise 18, **chunk-grid** (`python -m bsrattn.exercises check 18`): The deterministic chunk grid: KV cut at
+#   absolute multiples of `split_size`, whatever else is in the batch.
