@@ -38,16 +38,25 @@ def specialised(fn, args, kwargs):
     from triton.runtime.jit import native_specialize_impl
 
     signature, constexprs, attrs = {}, {}, {}
+
+    def record(path, kind, value, attr):
+        # An argument that is a tuple (a tensor's strides) is specialised element by element, at paths (i, j).
+        if isinstance(kind, tuple):
+            for j, parts in enumerate(zip(kind, value, attr)):
+                record((*path, j), *parts)
+        elif kind == "constexpr":
+            constexprs[path] = value
+        elif attr:
+            attrs[path] = BaseBackend.parse_attr(attr)
+
     for i, name in enumerate(fn.arg_names):
         if name in kwargs:
-            signature[name], constexprs[name] = "constexpr", kwargs[name]
-            continue
-        kind, attr = native_specialize_impl(BaseBackend, args[i], False, True, True)
+            kind, value, attr = "constexpr", kwargs[name], ""
+        else:
+            value = args[i]
+            kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
         signature[name] = kind
-        if kind == "constexpr":
-            constexprs[name] = attr
-        elif attr:
-            attrs[(i,)] = BaseBackend.parse_attr(attr)
+        record((i,), kind, value, attr)
     return signature, constexprs, attrs
 
 
@@ -67,7 +76,7 @@ def _compile(q_dtype, head_dim, group, tile_q, causal):
         num_ctas=4, num_kv_heads=hkv, group_size=group, head_dim=head_dim, block_size=block_size,
         block_m=tiles.block_m, block_n=tiles.block_n, block_d=cfg.block_d(head_dim), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, kv_view="NHD", causal=causal, window_left=-1, soft_cap=False, alibi=False,
-        sigmoid=False, rope=False, custom_mask=False, store_lse=True, dense_rows=True)
+        sigmoid=False, rope=False, custom_mask=False, store_lse=True, affine_rows=True)
     dtype = getattr(torch, q_dtype)
     q = torch.empty((32, hkv * group, head_dim), dtype=dtype)
     k, v = (torch.empty((blocks, block_size, hkv, head_dim), dtype=dtype) for _ in range(2))

@@ -2,8 +2,9 @@
 
 Every entry of :data:`MUTANTS` is applied on its own to a fresh copy of the repository's ``bsrattn/`` and
 ``tests/`` (with ``conftest.py`` and ``pyproject.toml``) in a temporary directory; the tests it names are run
-there with ``python -m pytest``, the copy first on ``PYTHONPATH`` so that it, not the installed package, is
-what gets imported (checked once before any mutant runs). A mutant is *killed* when those tests fail; one
+there with ``python -m pytest``, the copy first on the path (its ``pyproject.toml``'s pytest ``pythonpath``, and
+``PYTHONPATH`` for what its tests start) so that it, not the installed package, is what gets imported (checked
+once before any mutant runs). A mutant is *killed* when those tests fail; one
 that passes them *survives*, and a test suite that lets a fault survive guards nothing. The working tree is
 only read.
 
@@ -21,7 +22,7 @@ named tests runs once on the unmutated copy and must pass, so a kill always mean
 Each job slot keeps a server process that has imported what every run imports (numpy, torch, triton, numba,
 pytest, hypothesis; 3-4 s on two cores), with the environment the repository's ``conftest.py`` sets; each
 pytest run is a child forked from it, so a mutant pays for its own tests only. The child checks that
-``bsrattn`` resolves to its copy before it runs them.
+``bsrattn`` resolves to its copy before the first test runs.
 
 Run ``python tests/mutation_check.py [--jobs N] [NAME ...]``: it prints each mutant's outcome, the kill rate
 and the survivors, and exits non-zero unless every mutant is killed. ``tests/test_mutations.py`` runs it in CI.
@@ -71,6 +72,7 @@ class Mutant:
 
 # The tests the entries run, by what they exercise.
 REFERENCE = ("tests/test_wrong_implementations.py::test_the_checks_pass_the_reference",)
+FORMULA = ("tests/test_reference_formula.py::test_the_fast_path_matches_the_formula",)
 NUMBA = ("tests/test_numba_tier.py::test_every_layout_kind", "tests/test_numba_tier.py::test_gqa_ratios_and_storage")
 TORCH = ("tests/test_torch_tier.py::test_variants_with_split_plans",)
 FLOAT16_BUDGET = ("tests/test_wrong_implementations.py::test_one_percent_noise_in_float16_is_rejected",
@@ -80,11 +82,11 @@ AFTER_A_GOOD_CALL = ("tests/test_bad_inputs.py::test_run_checks_again_whatever_d
 
 
 def plan_order(tier):
-    return (f"tests/test_determinism.py::test_split_rows_fold_their_chunks_in_the_plan_order[{tier}]",)
+    return (f"tests/test_merge_order.py::test_split_rows_fold_their_chunks_in_the_plan_order[{tier}]",)
 
 
 def index_order(tier):
-    return (f"tests/test_determinism.py::test_merge_states_folds_in_index_order[{tier}]",)
+    return (f"tests/test_merge_order.py::test_merge_states_folds_in_index_order[{tier}]",)
 
 
 def special(test):
@@ -125,6 +127,12 @@ MUTANTS = (
     # the formulas
     Mutant("base-2 LSE: reference microkernel", "bsrattn/reference/microkernel.py",
            "lse = m_safe.T + np.log(denom)", "lse = (m_safe.T + np.log(denom)) / np.log(2.0)", REFERENCE),
+    Mutant("base-2 LSE: reference formula", "bsrattn/reference/microkernel.py",
+           "lse = m + np.log(total)", "lse = (m + np.log(total)) / np.log(2.0)", FORMULA),
+    Mutant("an empty row shifted by -inf: reference formula", "bsrattn/reference/microkernel.py",
+           "m = np.where(m == -np.inf, 0, m)", "m = m", FORMULA),
+    Mutant("a tile's span one key short: reference fast path", "bsrattn/reference/microkernel.py",
+           "span = slice(seen[0], seen[-1] + 1)", "span = slice(seen[0], seen[-1])", FORMULA),
     Mutant("base-2 LSE: numba microkernel", "bsrattn/numba_cuda/microkernel.py",
            "s = m_run[i] + math.log(l_run[i])", "s = m_run[i] + math.log2(l_run[i])", NUMBA),
     Mutant("base-2 LSE: torch microkernel", "bsrattn/torch_cuda/microkernel.py",
@@ -141,8 +149,8 @@ MUTANTS = (
            "[lo * cos - hi * sin, hi * cos + lo * sin]", "[lo * cos + hi * sin, hi * cos - lo * sin]",
            ("tests/test_tiers.py::test_fused_rope[reference-rope-decode and append]",)),
     Mutant("fused RoPE keys turned one position late: torch", "bsrattn/torch_cuda/microkernel.py",
-           "            k_pos + rope_offset, rope_freq, q.dtype)",
-           "            k_pos + rope_offset + 1, rope_freq, q.dtype)", TORCH),
+           "            k_pos + row.rope_offset, row.rope_freq, q.dtype)",
+           "            k_pos + row.rope_offset + 1, row.rope_freq, q.dtype)", TORCH),
     Mutant("fused RoPE on a cascade: queries at their level's positions, reference", "bsrattn/reference/microkernel.py",
            "q_rot, k_offset = spec.rope_positions[0][qo_start:qo_end], int(spec.rope_positions[1][r])",
            "q_rot, k_offset = q_pos, int(spec.rope_positions[1][r])",
@@ -174,32 +182,36 @@ MUTANTS = (
     Mutant("a decode's chains of short items left on the persistent kernel", "bsrattn/torch_cuda/config.py",
            "return kv.size >= DECODE_CHAIN_ITEMS * work_plan.num_ctas and", "return False and",
            ("tests/test_torch_tier.py::test_a_split_decode_runs_the_item_kernel_with_its_merges",)),
-    Mutant("kept kernels shared by buffers of another item capacity", "bsrattn/torch_cuda/executor.py",
-           "grid = self.item_capacity if config.prefill else 0", "grid = 0",
+    Mutant("kept kernels shared by buffers of another item capacity", "bsrattn/torch_cuda/launch.py",
+           "item_grid = self.item_capacity if config.item_kernel else 0", "item_grid = 0",
            ("tests/test_torch_tier.py::test_a_launch_over_buffers_of_another_item_capacity_keeps_its_own_kernels",)),
-    Mutant("a kept one-shot runner reused for another spec of the same layout", "bsrattn/torch_cuda/runner.py",
+    Mutant("a kept one-shot runner reused for another spec of the same layout", "bsrattn/torch_cuda/one_shot.py",
            "return a == b and a.rope_positions is b.rope_positions", "return a.layout is b.layout",
            ("tests/test_torch_tier.py::test_one_shot_calls_of_one_spec_plan_once",)),
     Mutant("a one-shot call's checks skipped for another layout object", "bsrattn/api.py",
            "last[0] is layout and last[1] == (variant, kv_layout, key)", "last[1] == (variant, kv_layout, key)",
            ("tests/test_bad_inputs.py::test_a_one_shot_call_like_the_last_that_passed_skips_only_its_checks",)),
-    Mutant("kept kernels launched past a launch hook chain that calls something", "bsrattn/torch_cuda/executor.py",
+    Mutant("kept kernels launched past a launch hook chain that calls something", "bsrattn/torch_cuda/launch.py",
            'return hook is not None and bool(getattr(hook, "calls", True))', "return hook is not None",
            ("tests/test_torch_tier.py::test_kept_kernels_go_through_triton_while_a_launch_hook_is_set",)),
     Mutant("a cascade's prior state left out of a whole row, persistent kernel", "bsrattn/torch_cuda/executor.py",
-           "            if partial < 0:\n                if PRIOR:", "            if partial < 0:\n                if False:",
+           "                             valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, PRIOR)",
+           "                             valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, False)",
            ("tests/test_torch_tier.py::"
             "test_a_cascades_last_level_folds_the_levels_before_it[whole rows-persistent]",)),
     Mutant("a cascade's prior state left out of a merged row, persistent kernel", "bsrattn/torch_cuda/executor.py",
-           "                    if PRIOR:", "                    if False:",
+           "head, valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, PRIOR)",
+           "head, valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, False)",
            ("tests/test_torch_tier.py::"
             "test_a_cascades_last_level_folds_the_levels_before_it[split rows-persistent]",)),
-    Mutant("a cascade's prior state left out of a whole row, item kernel", "bsrattn/torch_cuda/prefill.py",
-           "        elif partial < 0:\n            if PRIOR:", "        elif partial < 0:\n            if False:",
+    Mutant("a cascade's prior state left out of a whole row, item kernel", "bsrattn/torch_cuda/item_kernel.py",
+           "                         valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, PRIOR)",
+           "                         valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, False)",
            ("tests/test_torch_tier.py::"
             "test_a_cascades_last_level_folds_the_levels_before_it[whole rows-items]",)),
-    Mutant("a cascade's prior state left out of a merged row, item kernel", "bsrattn/torch_cuda/prefill.py",
-           "                if PRIOR:", "                if False:",
+    Mutant("a cascade's prior state left out of a merged row, item kernel", "bsrattn/torch_cuda/item_kernel.py",
+           "head, valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, PRIOR)",
+           "head, valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, False)",
            ("tests/test_torch_tier.py::"
             "test_a_cascades_last_level_folds_the_levels_before_it[split rows-items]",)),
     Mutant("a cascade's last level run without the levels before it", "bsrattn/api.py",
@@ -214,49 +226,56 @@ MUTANTS = (
     Mutant("deterministic mode's chunks computed as a normal item's (BLAS over the item's shapes)",
            "bsrattn/reference/executor.py",
            "state_of = attend_range if spec.split_size is None else grid_state", "state_of = attend_range",
-           ("tests/test_deterministic.py::test_rows_agree_however_the_batch_is_cut[reference]",)),
+           ("tests/test_partition_invariance.py::test_rows_agree_however_the_batch_is_cut[reference]",)),
     Mutant("a deterministic plan cut by L_kv, off the grid", "bsrattn/api.py",
            "fixed_split_size=fixed_split_size if split is None else split,", "fixed_split_size=fixed_split_size,",
-           ("tests/test_deterministic.py::test_one_shot_attention_is_the_planned_call",)),
+           ("tests/test_partition_invariance.py::test_one_shot_attention_is_the_planned_call",)),
     Mutant("a window's KV tiles starting at the window, off the tile grid", "bsrattn/torch_cuda/executor.py",
            "lo = lo + (first_key - lo) // BLOCK_N * BLOCK_N", "lo = first_key",
-           ("tests/test_deterministic.py::test_a_window_cuts_its_keys_into_the_same_tiles_in_a_decode_step_and_a_"
+           ("tests/test_partition_invariance.py::test_a_window_cuts_its_keys_into_the_same_tiles_in_a_decode_step_and_a_"
             "prefill[torch]",)),
     Mutant("a deterministic cascade's HND pool viewed per slot as if NHD", "bsrattn/api.py",
            "        x = x.swapaxes(1, 2)\n", "        pass\n",
-           ("tests/test_deterministic.py::test_a_cascade_over_an_hnd_pool_is_its_nhd_pool_viewed_per_slot",)),
-    Mutant("a whole row in one pass, its chunks of the grid not folded one by one", "bsrattn/torch_cuda/executor.py",
-           ("chunk_step = GRID", "n_chunks = tl.cdiv(hi - chunk_lo, GRID)"),
-           ("chunk_step = hi - chunk_lo", "n_chunks = 1"),
-           ("tests/test_deterministic.py::"
+           ("tests/test_partition_invariance.py::test_a_cascade_over_an_hnd_pool_is_its_nhd_pool_viewed_per_slot",)),
+    Mutant("a whole row in one pass, its chunks of the grid not folded one by one",
+           "bsrattn/torch_cuda/deterministic.py", "    return first, SPLIT_SIZE, ceil_div(hi - first, SPLIT_SIZE)",
+           "    return first, hi - first, 1",
+           ("tests/test_partition_invariance.py::"
             "test_items_of_several_chunks_fold_as_a_plan_cut_at_every_grid_point[causal-torch]",)),
     Mutant("a deterministic plan's first items at L_kv, off the grid", "bsrattn/scheduler.py",
-           "lead = (_chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align) + split - 1) // split * split",
+           "lead = ceil_div(_chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align), split) * split",
            "lead = _chunk_size(qo, kv, num_ctas, tile_q, 0, min_split_size, kv_align)",
            ("tests/test_scheduler.py::"
             "test_lead_items_gives_a_row_one_first_item_of_l_kv_on_the_grid_then_single_chunks[python]",)),
     Mutant("a deterministic row cut into items of several chunks each (their folds regrouped)", "bsrattn/scheduler.py",
-           ("chunks[r] = 1 + max(0, (kv[r] - lead + chunk - 1) // chunk)",
+           ("chunks[r] = 1 + ceil_div(max(0, kv[r] - lead), chunk)",
             "ks[w] = 0 if c == 0 else lead + (c - 1) * chunk", "min(lead + c * chunk, kv[r])"),
-           ("chunks[r] = max(1, (kv[r] + lead - 1) // lead)", "ks[w] = c * lead", "min((c + 1) * lead, kv[r])"),
-           ("tests/test_deterministic.py::"
+           ("chunks[r] = max(1, ceil_div(kv[r], lead))", "ks[w] = c * lead", "min((c + 1) * lead, kv[r])"),
+           ("tests/test_partition_invariance.py::"
             "test_items_of_several_chunks_fold_as_a_plan_cut_at_every_grid_point[causal-reference]",)),
     Mutant("a deterministic kernel without merges for a plan that splits nothing", "bsrattn/torch_cuda/runner.py",
            "merges=self.work_plan.num_merges > 0 or spec.split_size is not None,",
            "merges=self.work_plan.num_merges > 0,",
-           ("tests/test_deterministic.py::"
+           ("tests/test_partition_invariance.py::"
             "test_a_deterministic_kernel_keeps_its_merges_for_a_plan_that_splits_nothing",)),
     Mutant("a split_size off the tiles accepted", "bsrattn/validation.py", "    if size % SPLIT_ALIGN:", "    if False:",
-           ("tests/test_deterministic.py::test_bad_deterministic_arguments_are_refused",)),
+           ("tests/test_partition_invariance.py::test_bad_deterministic_arguments_are_refused",)),
     Mutant("a row that starts off the chunk grid accepted", "bsrattn/validation.py",
            "off = np.flatnonzero(offsets % split_size)", "off = np.flatnonzero(offsets % 1)",
-           ("tests/test_deterministic.py::test_a_row_that_rope_positions_start_off_the_grid_is_refused",)),
+           ("tests/test_partition_invariance.py::test_a_row_that_rope_positions_start_off_the_grid_is_refused",)),
     Mutant("fused RoPE on a cascade: item rows without the levels' offsets", "bsrattn/items.py",
            "items[w, _ROPE_OFFSET] = rope_offsets[r] if rope_offsets.size else 0", "items[w, _ROPE_OFFSET] = 0",
            ("tests/test_plan_buffers.py::test_packed_sections_equal_a_plain_construction",)),
     Mutant("fused RoPE query's second half not turned: numba", "bsrattn/numba_cuda/microkernel.py",
            "q_tile[i, d + half] = hi * math.cos(angle) + lo * math.sin(angle)", "q_tile[i, d + half] = hi",
            ("tests/test_numba_tier.py::test_every_variant_field[rope]",)),
+    Mutant("a call's strides packed out of the declared order", "bsrattn/torch_cuda/kernel_args.py",
+           "kv_strides(v, config.kv_view), out.stride(), lse.stride()",
+           "kv_strides(v, config.kv_view), lse.stride(), out.stride()",
+           ("tests/test_torch_tier.py::test_the_packers_give_the_declared_arguments_in_order",)),
+    Mutant("a kept kernel handed the plan's arguments before the call's", "bsrattn/torch_cuda/launch.py",
+           "args = (*ptrs, *call[_TENSORS:], *self._plan_ptrs)", "args = (*ptrs, *self._plan_ptrs, *call[_TENSORS:])",
+           ("tests/test_torch_tier.py::test_a_launch_of_a_kept_kernel_hands_it_the_declared_arguments",)),
     Mutant("every block size compile-time: a kernel compiled per transformers step", "bsrattn/torch_cuda/gather.py",
            "return block_size if block_size & (block_size - 1) == 0 else 0", "return block_size",
            ("tests/test_torch_tier.py::test_block_sizes_that_are_not_powers_of_two_share_one_kernel",)),
@@ -276,11 +295,11 @@ MUTANTS = (
            "return x.reshape(x.shape[0] // num_kv_heads, num_kv_heads, x.shape[1], x.shape[2]).swapaxes(0, 1)"
            ".reshape(num_kv_heads, x.shape[0] // num_kv_heads * x.shape[1], x.shape[2])", REFERENCE),
     Mutant("GQA head mapping h % num_kv_heads: numba queries", "bsrattn/numba_cuda/microkernel.py",
-           "q[q_row0 + tile_query(i, group), tile_head(kv_head, group, i), d]",
-           "q[q_row0 + tile_query(i, group), kv_head + i % group * (q.shape[1] // group), d]", NUMBA),
+           "q[q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i), d]",
+           "q[q_row0 + tile_query(i, group_size), kv_head + i % group_size * (q.shape[1] // group_size), d]", NUMBA),
     Mutant("GQA head mapping h % num_kv_heads: torch kernel", "bsrattn/torch_cuda/executor.py",
-           "head = tile_head(kv_head, GROUP, m)\n            q_local",
-           "head = kv_head + m % GROUP * num_kv_heads\n            q_local", TORCH),
+           "head = tile_head(kv_head, GROUP_SIZE, m)\n            q_local",
+           "head = kv_head + m % GROUP_SIZE * num_kv_heads\n            q_local", TORCH),
     Mutant("block slot without the block size", "bsrattn/indexing.py",
            "kv_indices[row_block_start + i // block_size] * block_size + i % block_size",
            "kv_indices[row_block_start + i // block_size] + i % block_size", REFERENCE),
@@ -315,7 +334,7 @@ MUTANTS = (
     Mutant("item flags not cleared by the second launch", "bsrattn/torch_cuda/executor.py",
            "tl.store(item_flags + w * num_kv_heads + kv_head, 0)", "pass",
            special("test_no_launch_depends_on_what_an_earlier_one_left[torch]")),
-    Mutant("flags left set when a call stops between its launches", "bsrattn/torch_cuda/executor.py",
+    Mutant("flags left set when a call stops between its launches", "bsrattn/torch_cuda/launch.py",
            "            self.sync.zero_()\n", "            pass\n",
            special("test_a_call_stopped_between_its_launches_leaves_nothing_behind")),
     Mutant("NaN swallowed: numba finish decides empty from l > 0", "bsrattn/numba_cuda/microkernel.py",
@@ -329,7 +348,7 @@ MUTANTS = (
            "lse = m_safe + np.log(total)", "lse = np.where(total > 0, m_safe + np.log(total), -np.inf)",
            special("test_merge_special_states[reference]")),
     Mutant("a hidden key's v used: reference", "bsrattn/reference/microkernel.py",
-           "v = np.where(finite, v, 0)", "v = v",
+           "o = weighted_sum(w, np.where(finite, v, 0))", "o = weighted_sum(w, v)",
            special("test_hidden_keys_leave_the_bits_unchanged[reference-NaN v of a causally hidden key]")),
     Mutant("a hidden key's v used: numba", "bsrattn/numba_cuda/microkernel.py",
            "if not hidden_keys or seen[i, j]:", "if True:",
@@ -338,10 +357,10 @@ MUTANTS = (
            "if config.hidden_keys else []", "if False else []",
            special("test_hidden_keys_leave_the_bits_unchanged[torch-NaN v of a causally hidden key]")),
     Mutant("a hidden key's v used: torch item kernel (its non-finite items not flagged)",
-           "bsrattn/torch_cuda/prefill.py",
+           "bsrattn/torch_cuda/item_kernel.py",
            "redo |= tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0", "redo |= False",
            ("tests/test_torch_tier.py::test_a_hidden_keys_nan_does_not_reach_the_item_kernels_rows[gathered]",)),
-    Mutant("rows that are not dense read through tensor descriptors", "bsrattn/torch_cuda/prefill.py",
+    Mutant("rows that are not affine read through tensor descriptors", "bsrattn/torch_cuda/item_kernel.py",
            "if first_slot >= 0:", "if first_slot >= -1:",
            ("tests/test_torch_tier.py::test_prefill_plans_that_split_no_row_run_the_item_kernel"
             "[paged, the last rows on scattered pages-causal]",)),
@@ -349,13 +368,13 @@ MUTANTS = (
            "weighted = t_b if s_a == neg_inf else ops.fma(w_a, o_a, t_b)", "weighted = ops.fma(w_a, o_a, t_b)",
            special("test_merge_special_states[numba]")),
     # run's checks, skipped for the arguments of the last call that passed
-    Mutant("run's checks skipped once any call passed", "bsrattn/api.py",
-           "if key is None or key != self._passed:", "if self._passed is None:", AFTER_A_GOOD_CALL),
-    Mutant("run's key without the dtypes", "bsrattn/api.py",
+    Mutant("run's checks skipped once any call passed", "bsrattn/passed.py",
+           "if key is None or key != self.key:", "if self.value is None:", AFTER_A_GOOD_CALL),
+    Mutant("run's key without the dtypes", "bsrattn/passed.py",
            "type(x), x.shape, x.dtype, getattr(", "type(x), x.shape, getattr(", AFTER_A_GOOD_CALL),
-    Mutant("run's key without a buffer's writability", "bsrattn/api.py",
+    Mutant("run's key without a buffer's writability", "bsrattn/passed.py",
            'getattr(x, "flags", _WRITABLE).writeable\n', "True\n", AFTER_A_GOOD_CALL),
-    Mutant("run's key without the scales' types", "bsrattn/api.py",
+    Mutant("run's key without the scales' types", "bsrattn/passed.py",
            "type(k_scale), k_scale, type(v_scale), v_scale)", "k_scale, v_scale)", AFTER_A_GOOD_CALL),
     # plans
     Mutant("plan covers a slot twice: chunk ends one past the next start", "bsrattn/scheduler.py",
@@ -370,6 +389,50 @@ MUTANTS = (
     Mutant("float16 table tolerance loosened to 1", "bsrattn/testing.py",
            '("attention", "float16"): (4e-3, 4e-3)', '("attention", "float16"): (1.0, 1.0)',
            ("tests/test_wrong_implementations.py::test_the_float16_table_rejects_one_percent_noise",)),
+    # checks that name the argument
+    Mutant("infinite KV scales accepted", "bsrattn/validation.py",
+           "if not (value > 0 and math.isfinite(value)):", "if not value > 0:",
+           ("tests/test_bad_inputs.py::test_non_finite_kv_scales_are_refused_at_every_entry_point"
+            "[reference-k_scale-inf]",)),
+    Mutant("a causal Cascade row past its keys accepted", "bsrattn/cascade.py",
+           "over = np.flatnonzero(last.qo_lens > last.kv_lens + 1)", "over = np.flatnonzero(last.qo_lens < 0)",
+           ("tests/test_bad_inputs.py::test_a_causal_cascade_row_that_no_flat_layout_expresses_is_refused_in_every_mode"
+            "[reference]",)),
+    Mutant("a causal Cascade row one query past its keys refused", "bsrattn/cascade.py",
+           "over = np.flatnonzero(last.qo_lens > last.kv_lens + 1)",
+           "over = np.flatnonzero(last.qo_lens > last.kv_lens)",
+           ("tests/test_bad_inputs.py::test_a_causal_cascade_row_with_one_query_past_its_keys_is_one_attention_in_every"
+            "_mode[reference]",)),
+    Mutant("no storage-order hint", "bsrattn/validation.py",
+           "    _check_kv_order(shape_of(q)[1], shape_of(k), view, layout.block_size)\n", "",
+           ("tests/test_bad_inputs.py::test_kv_in_the_other_storage_order_names_the_kv_layout_that_fits[reference]",)),
+    Mutant("lengths of different counts blame one", "bsrattn/coerce.py",
+           '{of} has {size}: they need one entry per request each',
+           'expected {size}',
+           ("tests/test_bad_inputs.py::test_errors_name_the_argument_that_is_wrong",)),
+    Mutant("an empty qo_indptr reported as kv_last_len", "bsrattn/layout.py",
+           "if self.qo_indptr.size == 0:", "if False:",
+           ("tests/test_bad_inputs.py::test_errors_name_the_argument_that_is_wrong",)),
+    Mutant("per_head_views takes any num_kv_heads", "bsrattn/layouts.py",
+           'num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)\n    if len(q.shape) != 3:',
+           'if len(q.shape) != 3:',
+           ("tests/test_bad_inputs.py::test_errors_name_the_argument_that_is_wrong",)),
+    Mutant("the numba tier loads where its kernels cannot run", "bsrattn/numba_cuda/launch.py",
+           "    if cuda.is_available():\n        return \"gpu\"", "    if True:\n        return \"gpu\"",
+           ("tests/test_bad_inputs.py::test_the_numba_tier_without_a_gpu_or_the_simulator_names_the_variable[load]",)),
+    Mutant("a late TRITON_INTERPRET not told apart", "bsrattn/torch_cuda/arrays.py",
+           'elif device.type in ("cpu", "cuda") and interpreter_changed():', 'elif False:',
+           ("tests/test_bad_inputs.py::test_the_interpreter_switched_on_after_the_torch_tier_loaded_says_to_restart",)),
+    Mutant("an additive NaN mask read as masked", "bsrattn/integrations/transformers.py",
+           "bias = ~(seen | (mask == -torch.inf) | (mask == torch.finfo(mask.dtype).min))",
+           "bias = ~seen & (mask > torch.finfo(mask.dtype).min / 2)",
+           ("tests/test_transformers.py::test_a_mask_bsrattn_cannot_read_is_refused",)),
+    Mutant("kernel='core' with deterministic mode accepted", "bsrattn/api.py",
+           "if split is not None and backend.kernel == \"core\":", "if False:",
+           ("tests/test_cores.py::test_the_core_refuses_deterministic_mode_by_name",)),
+    Mutant("an unknown kernel accepted as the shipped one", "bsrattn/backends.py",
+           'if not isinstance(kernel, str) or kernel not in KERNELS:', 'if False:',
+           ("tests/test_backends.py::test_a_kernel_the_tier_does_not_run_is_refused_by_name",)),
 )
 
 
@@ -401,6 +464,23 @@ class Run:
     output: str
 
 
+class _ImportsTheCopy:
+    """A pytest plugin: the session stops with :data:`NOT_THE_COPY` before its first test unless ``bsrattn``
+    resolves to the copy at ``workdir`` (which pytest's ``pythonpath`` option, from the copy's own
+    ``pyproject.toml``, puts first on the path)."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+
+    def pytest_sessionstart(self, session):
+        import pytest
+
+        origin = Path(importlib.util.find_spec("bsrattn").origin).resolve()
+        if not origin.is_relative_to(self.workdir.resolve()):
+            pytest.exit(f"the copy in {self.workdir} does not shadow the installed package: bsrattn is {origin}",
+                        returncode=NOT_THE_COPY)
+
+
 def _pytest_child(workdir: Path, tests, log: Path):
     """In a child forked from the server: run ``tests`` in the copy at ``workdir``, output to ``log``; never
     returns."""
@@ -411,17 +491,11 @@ def _pytest_child(workdir: Path, tests, log: Path):
         os.dup2(fd, 2)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.chdir(workdir)
-        sys.path.insert(0, str(workdir))
         # what the tests start in subprocesses imports the copy too
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))
         os.environ["HYPOTHESIS_PROFILE"] = "mutants"  # conftest.py's: no shrinking of a failing example
-        origin = Path(importlib.util.find_spec("bsrattn").origin).resolve()
-        if not origin.is_relative_to(workdir.resolve()):
-            print(f"the copy in {workdir} does not shadow the installed package: bsrattn is {origin}")
-            code = NOT_THE_COPY
-        else:
-            import pytest
-            code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests]))
+        import pytest
+        code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests], plugins=[_ImportsTheCopy(workdir)]))
     except BaseException:  # noqa: BLE001 - whatever it was, the output says it and the run counts as an error
         traceback.print_exc()
     finally:

@@ -290,6 +290,7 @@ def test_a_call_stopped_between_its_launches_leaves_nothing_behind(monkeypatch):
     """A torch call whose second launch raises after its first flagged items leaves the flags at zero, and the
     next call is right."""
     from bsrattn.torch_cuda import executor
+    from bsrattn.torch_cuda import launch as launches
 
     tier = load_tier("torch")
     q, k, v = inputs()
@@ -304,7 +305,7 @@ def test_a_call_stopped_between_its_launches_leaves_nothing_behind(monkeypatch):
             return launch
 
     passes = executor.passes
-    monkeypatch.setattr(executor, "_COMPILED", {})  # on a GPU too, the call's launches go through Triton
+    monkeypatch.setattr(launches, "_COMPILED", {})  # on a GPU too, the call's launches go through Triton
     monkeypatch.setattr(executor, "passes", lambda *a, **kw: [passes(*a, **kw)[0], (Stops(), None, {})])
     with pytest.raises(RuntimeError, match="stopped before"):
         attn.run(*_pool_args(tier, *poisoned("v", 0, 9, np.nan, q, k, v)))

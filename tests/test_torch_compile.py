@@ -25,7 +25,7 @@ import pytest
 
 # name: (q dtype, kv dtype, head_dim, group size, tile_q, kv view, block size, variant flags)
 CONFIGS = {
-    "decode fp16, paged, G4, sparse path only": ("float16", "float16", 128, 4, 4, "NHD", 16, dict(dense_rows=False)),
+    "decode fp16, paged, G4, sparse path only": ("float16", "float16", 128, 4, 4, "NHD", 16, dict(affine_rows=False)),
     "decode bf16 + fp8-e4m3 KV, ALiBi, soft cap, G8": ("bfloat16", "float8_e4m3fn", 128, 8, 2, "NHD", 16,
                                                        dict(alibi=True, soft_cap=True)),
     "decode fp16 + fp8-e5m2 KV, tree mask, window, HND, d64, M32": ("float16", "float8_e5m2", 64, 4, 8, "HND", 16,
@@ -46,27 +46,42 @@ CONFIGS = {
     "prefill bf16, causal, fused RoPE, d64": ("bfloat16", "bfloat16", 64, 4, 32, "NHD3", 1,
                                               dict(causal=True, rope=True)),
     "prefill bf16, ragged 3-D, causal, the item kernel": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1,
-                                                          dict(causal=True, merges=False, prefill="items")),
+                                                          dict(causal=True, merges=False, item_kernel="items")),
     "prefill bf16, ragged 3-D, causal, the item kernel with tensor descriptors": (
-        "bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1, dict(causal=True, merges=False, prefill="tma")),
+        "bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1, dict(causal=True, merges=False, item_kernel="tma")),
     "prefill fp16 + fp8-e4m3 KV, paged, soft cap, the item kernel": ("float16", "float8_e4m3fn", 128, 4, 32, "NHD",
                                                                      16, dict(soft_cap=True, merges=False,
-                                                                              prefill="items")),
+                                                                              item_kernel="items")),
     "decode fp16, G4, a cascade's last level (a prior state folded in)": ("float16", "float16", 128, 4, 1, "NHD", 16,
                                                                           dict(prior=True)),
-    "decode fp16, G1, the item kernel with merges, a prior state folded in": ("float16", "float16", 128, 1, 16, "NHD",
-                                                                              16, dict(prefill="items", prior=True)),
+    "decode fp16, G1, the item kernel with merges, a prior state folded in": (
+        "float16", "float16", 128, 1, 16, "NHD", 16, dict(item_kernel="items", prior=True)),
     "deterministic decode fp16, G4": ("float16", "float16", 128, 4, 1, "NHD", 16, dict(deterministic=True)),
     "deterministic prefill bf16, causal, sliding window": ("bfloat16", "bfloat16", 128, 4, 32, "NHD3", 1,
                                                            dict(deterministic=True, causal=True, window_left=100)),
 }
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 WORKERS = 2
+# The core (torch_cuda/core.py), both its kernels: name: (q dtype, kv dtype, head_dim, group size, layout kind, kv
+# view, query rows per request, variant)
+CORE_CONFIGS = {
+    "core decode fp16, paged, G4": ("float16", "float16", 128, 4, "paged", "NHD", 1, {}),
+    "core prefill bf16, ragged 3-D, causal, M64": ("bfloat16", "bfloat16", 128, 4, "ragged", "NHD3", 64,
+                                                   dict(causal=True)),
+    "core decode bf16 + fp8-e4m3 KV, ALiBi, soft cap, G8": ("bfloat16", "float8_e4m3fn", 128, 8, "paged", "NHD", 1,
+                                                           dict(alibi_slopes=[0.5] * 16, logits_soft_cap=30.0)),
+    "core fp16 + fp8-e5m2 KV, HND, window, fused RoPE, d64": ("float16", "float8_e5m2", 64, 4, "paged", "HND", 8,
+                                                               dict(window_left=64, rope_theta=1e4)),
+    "core fp16, tree mask, sigmoid, G1": ("float16", "float16", 128, 1, "tree", "NHD", 4, dict(sigmoid_bias=0.5)),
+    "core fp32 (IEEE dots), causal": ("float32", "float32", 128, 4, "paged", "NHD", 16, dict(causal=True)),
+    "core bf16, d256": ("bfloat16", "bfloat16", 256, 4, "paged", "NHD", 16, {}),
+}
 
 
-def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_size, flags):
+def _attention_launch(q_dtype, kv_dtype, head_dim, group_size, tile_q, view, block_size, flags):
     """``(kernel, args, kwargs)`` of the launch the tier makes for this configuration: the first pass, or with
-    ``redo`` the second; ``prefill`` picks the item kernel (``prefill.py``), ``"tma"`` with tensor descriptors."""
+    ``redo`` the second; ``item_kernel`` picks the item kernel (``item_kernel.py``), ``"tma"`` with tensor
+    descriptors."""
     import torch
 
     from bsrattn.torch_cuda import config as cfg
@@ -74,17 +89,18 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
     from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
 
     hkv, blocks = 2, 8
-    hq = hkv * group
-    t = cfg.tiles(cfg.block_m(tile_q, group), head_dim, q_dtype)
+    hq = hkv * group_size
+    t = cfg.tiles(cfg.block_m(tile_q, group_size), head_dim, q_dtype)
     config = cfg.LaunchConfig(
-        num_ctas=4, num_kv_heads=hkv, group_size=group, head_dim=head_dim, block_size=block_size, block_m=t.block_m,
-        block_n=t.block_n, block_d=cfg.block_d(head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
+        num_ctas=4, num_kv_heads=hkv, group_size=group_size, head_dim=head_dim, block_size=block_size,
+        block_m=t.block_m, block_n=t.block_n, block_d=cfg.block_d(head_dim), num_warps=t.num_warps,
+        num_stages=t.num_stages,
         kv_view=view, causal=flags.get("causal", False), window_left=flags.get("window_left", -1),
         soft_cap=flags.get("soft_cap", False), alibi=flags.get("alibi", False), sigmoid=flags.get("sigmoid", False),
         rope=flags.get("rope", False), custom_mask=flags.get("custom_mask", False),
-        store_lse=flags.get("store_lse", not flags.get("sigmoid")), dense_rows=flags.get("dense_rows", True),
-        merges=flags.get("merges", True), grid=1024 if flags.get("deterministic") else 0,
-        prefill={None: 0, "items": cfg.PREFILL_ITEMS, "tma": cfg.PREFILL_TMA}[flags.get("prefill")],
+        store_lse=flags.get("store_lse", not flags.get("sigmoid")), affine_rows=flags.get("affine_rows", True),
+        merges=flags.get("merges", True), split_size=1024 if flags.get("deterministic") else 0,
+        item_kernel={None: 0, "items": cfg.ITEM_KERNEL, "tma": cfg.ITEM_KERNEL_TMA}[flags.get("item_kernel")],
         prior=flags.get("prior", False))
     kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
                 "NHD3": (blocks, hkv, head_dim)}[view]
@@ -96,7 +112,7 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group, tile_q, view, block_si
     prior = (torch.empty_like(q), torch.empty((32, hq))) if config.prior else None
     _, args, kwargs = launch_args(q, k, v, torch.empty_like(q), lse, buffers, config, scalars, prior)
     options = {key: kwargs[key] for key in ("num_warps", "num_stages", "enable_fp_fusion")}
-    fn, _, constexprs = passes(config, q.dtype, buffers.item_capacity, flags.get("prefill") == "tma")[
+    fn, _, constexprs = passes(config, q.dtype, buffers.item_capacity, flags.get("item_kernel") == "tma")[
         1 if flags.get("redo") else 0]
     return fn, args, dict(constexprs, **options)
 
@@ -113,6 +129,29 @@ def _merge_launches(dtype):
     return [(merge._merge_states_kernel, (o, lse, o2, lse2, 3, 2, 8), d),
             (merge._merge_state_kernel, (o2, lse2, o2, lse2, o2, lse2, 8), d),
             (merge._add_kernel, (o2, o2, o2, o2.numel()), dict(BLOCK=merge.ADD_BLOCK))]
+
+
+def _core_launches(q_dtype, kv_dtype, head_dim, group_size, kind, view, rows, variant):
+    """``(kernel, args, kwargs)`` of each launch of the core's runner (``Runner.launches``) over a plan that splits
+    rows, on CPU tensors of real shapes."""
+    import torch
+
+    import bsrattn as ba
+    from bsrattn.torch_cuda import core
+    from bsrattn.validation import make_spec
+
+    hkv, kv_lens = 2, [300, 40, 2000]
+    layout = {"paged": lambda: ba.layouts.paged([rows] * 3, [list(range(19)), [19, 20, 21], list(range(22, 147))],
+                                                kv_lens, 16, 147),
+              "ragged": lambda: ba.layouts.ragged([rows] * 3, kv_lens),
+              "tree": lambda: ba.layouts.tree([[-1, 0, 0, 1]], [list(range(8))], [120], 16, 8)}[kind]()
+    spec = make_spec(layout, hkv * group_size, hkv, head_dim, ba.Variant(**variant), q_dtype, kv_dtype, view)
+    work_plan = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, **dict(core.plan_options(spec), num_ctas=8))
+    assert work_plan.num_merges, "a plan that splits rows, so that the merge kernel compiles too"
+    q = torch.empty((layout.nnz_qo, hkv * group_size, head_dim), dtype=getattr(torch, q_dtype))
+    k, v = (torch.empty(spec.kv_shape(), dtype=getattr(torch, kv_dtype)) for _ in range(2))
+    launches = core.make_runner(spec, work_plan).launches(q, k, v, torch.empty_like(q), torch.empty(q.shape[:2]))
+    return [(fn, args, kwargs) for fn, _, args, kwargs in launches]
 
 
 def _compile(fn, args, kwargs):
@@ -162,6 +201,8 @@ def _worker(names):
         try:
             if name.startswith("merge "):
                 results[name] = [_compile(fn, a, k) for fn, a, k in _merge_launches(name.split()[1])]
+            elif name.startswith("core "):
+                results[name] = [_compile(fn, a, k) for fn, a, k in _core_launches(*CORE_CONFIGS[name])]
             else:
                 results[name] = _compile(*_attention_launch(*CONFIGS[name]))
         except Exception as err:  # reported by the test, with the configuration's name
@@ -171,6 +212,8 @@ def _worker(names):
 
 def _compile_in_subprocesses(names):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the worker imports notebooks.sm90
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     batches = [names[i::WORKERS] for i in range(WORKERS)]
 
     def run(batch):
@@ -239,6 +282,18 @@ def test_merge_kernels_compile_for_sm90():
         assert all("cubin" in r["stages"] for r in result), (name, result)
 
 
+def test_core_kernels_compile_for_sm90():
+    """The core's attention and merge kernels, as its runner launches them; its gathered K/V tiles pipelined into
+    shared memory (cp.async) too."""
+    _triton_compiler_or_skip()
+    results = _compile_in_subprocesses(list(CORE_CONFIGS))
+    for name, result in results.items():
+        _fail_or_skip(name, result)
+        assert result[0]["async_copies"] >= 2, (name, result[0])
+        for launch in result:
+            assert "cubin" in launch["stages"] and launch["fp_atomics"] == 0, (name, launch)
+            assert launch["shared"] <= 227 * 1024, (name, launch)
+
+
 if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())
     _worker(sys.argv[1:])

@@ -152,7 +152,7 @@ def test_cuda_graph_replays_across_replans(variant):
                                  name=f"replay step {step}")
 
 
-# ---- prefill plans that split no row: the item kernel (prefill.py) ----------------------------------------
+# ---- prefill plans that split no row: the item kernel (item_kernel.py) -------------------------------------
 
 def _consecutive_pages(lens):
     """Page tables of consecutive pages, one request after another: every row dense."""
@@ -177,10 +177,10 @@ def test_prefill_item_kernel(name, min_kv, monkeypatch):
     """A prefill of ~100 query tiles a KV head (more than its 66 CTAs) splits no row and runs the item kernel:
     dense rows of 16-bit KV through tensor descriptors where the plan asks (here: any row, and the short rows of
     the shipped threshold, which read none), every other row gathered."""
-    from bsrattn.torch_cuda import config as cfg, prefill
+    from bsrattn.torch_cuda import config as cfg, item_kernel
 
     if min_kv is not None:
-        monkeypatch.setattr(cfg, "PREFILL_TMA_MIN_KV", min_kv)
+        monkeypatch.setattr(cfg, "ITEM_TMA_MIN_KV", min_kv)
 
     q_dtype, kv_dtype, pages, variant, descriptors = ITEM_KERNEL_CASES[name]
     rng = np.random.default_rng(12)
@@ -194,8 +194,8 @@ def test_prefill_item_kernel(name, min_kv, monkeypatch):
     attn = ba.BatchAttention(backend="torch")
     attn.plan(layout, HQ, HKV, D, variant=variant, q_dtype=q_dtype, kv_dtype=kv_dtype)
     config = attn._runners[0].launch_config(q_dtype, "NHD", True)
-    assert attn.work_plans[0].num_merges == 0 and config.prefill in (cfg.PREFILL_ITEMS, cfg.PREFILL_TMA), config
-    assert prefill.tma_ready(config, q, k, v) == (descriptors and min_kv == 0)
+    assert attn.work_plans[0].num_merges == 0 and config.item_kernel in (cfg.ITEM_KERNEL, cfg.ITEM_KERNEL_TMA), config
+    assert item_kernel.tma_ready(config, q, k, v) == (descriptors and min_kv == 0)
     scales = dict(k_scale=0.8, v_scale=1.3) if kv_dtype.startswith("float8") else {}
     got = attn.run(q, k, v, return_lse=True, **scales)
     assert_matches_reference(got, q, k, v, layout, kv_dtype if scales else q_dtype, variant=variant, name=name,
@@ -210,7 +210,7 @@ def test_a_graph_captured_on_the_item_kernel_replays_re_plans(monkeypatch):
     replay gives the reference's answer, and the eager call's bits where that call runs the same kernel."""
     from bsrattn.torch_cuda import config as cfg
 
-    monkeypatch.setattr(cfg, "PREFILL_TMA_MIN_KV", 0)
+    monkeypatch.setattr(cfg, "ITEM_TMA_MIN_KV", 0)
     rng = np.random.default_rng(13)
     batch, num_pages = 8, 300
     causal = ba.Variant(causal=True)
@@ -228,7 +228,7 @@ def test_a_graph_captured_on_the_item_kernel_replays_re_plans(monkeypatch):
 
     attn = ba.BatchAttention(backend="torch")
     attn.plan(layout("consecutive"), HQ, HKV, D, variant=causal, q_dtype="bfloat16", kv_dtype="bfloat16")
-    assert attn._runners[0].launch_config("bfloat16", "NHD", True).prefill
+    assert attn._runners[0].launch_config("bfloat16", "NHD", True).item_kernel
     attn.run(q, k, v, out=out, lse=lse)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -310,11 +310,11 @@ GROWING_PLANS = {  # a small plan's (qo_lens, kv_lens), those of a plan of more 
 
 @pytest.mark.parametrize("case", sorted(GROWING_PLANS))
 def test_a_plan_of_more_items_than_a_kept_kernels_grid_runs_every_item(case, monkeypatch):
-    """The item kernel's grid is its buffers' item capacity. A later plan of the same kind whose buffers hold
-    more items must not reuse a kept kernel launched over the first buffers' grid: every row is written."""
-    from bsrattn.torch_cuda import executor
+    """The item kernel's launch grid is its buffers' item capacity. A later plan of the same kind whose buffers
+    hold more items must not reuse a kept kernel launched over the first buffers' grid: every row is written."""
+    from bsrattn.torch_cuda import launch
 
-    monkeypatch.setattr(executor, "_COMPILED", {})  # the small plan's kernels are the first of their kind
+    monkeypatch.setattr(launch, "_COMPILED", {})  # the small plan's kernels are the first of their kind
     rng = np.random.default_rng(13)
     small, large, variant = GROWING_PLANS[case]
     capacities = []
@@ -324,7 +324,7 @@ def test_a_plan_of_more_items_than_a_kept_kernels_grid_runs_every_item(case, mon
         attn = ba.BatchAttention(backend="torch")
         attn.plan(layout, HQ, HKV, D, variant=variant, q_dtype="float16", kv_dtype="float16")
         runner = attn._runners[0]
-        assert runner.launch_config("float16", "NHD", True).prefill, "the case must run the item kernel"
+        assert runner.launch_config("float16", "NHD", True).item_kernel, "the case must run the item kernel"
         capacities.append(runner.buffers.item_capacity)
         out = torch.full_like(q, float("nan"))
         got = attn.run(q, k, v, out=out, return_lse=True)
@@ -339,11 +339,11 @@ def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
     inputs of a new kind (a q view that is not 16-byte aligned, a KV pool whose strides 16 does not divide)
     must go through Triton once, as their own kind, never through a kernel specialised for another. One-shot calls, which
     reuse idle buffers, find the kept kernels too."""
-    from bsrattn.torch_cuda import executor
+    from bsrattn.torch_cuda import launch
 
     through_triton = []
-    real = executor.Launch._through_triton
-    monkeypatch.setattr(executor.Launch, "_through_triton",
+    real = launch.Launch._through_triton
+    monkeypatch.setattr(launch.Launch, "_through_triton",
                         lambda self, *args: through_triton.append(1) or real(self, *args))
     rng = np.random.default_rng(11)
     if case == "split decode":
@@ -367,11 +367,11 @@ def test_eager_launches_of_kept_kernels_match_the_first(case, monkeypatch):
     same_bits_without_triton(q, k, v)
     # Kept kernels are launched directly, bypassing Triton's runner, only while no launch hook is set; a
     # profiler's hook must see every launch, so with one set they go through the runner, which calls it.
-    assert executor._no_launch_hooks()
+    assert launch._no_launch_hooks()
     passes = len(next(iter(attn._runners[0]._launches.values()))._last[1])  # the kept kernels of the call
     seen = []
     with monkeypatch.context() as hooked:
-        hooked.setattr(executor._HOOKS, "launch_enter_hook", lambda metadata: seen.append(metadata))
+        hooked.setattr(launch._HOOKS, "launch_enter_hook", lambda metadata: seen.append(metadata))
         same_bits_without_triton(q, k, v)
     assert len(seen) == 3 * passes
     # q one element past an aligned address: a kind of its own, through Triton once.

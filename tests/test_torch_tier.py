@@ -23,7 +23,7 @@ from bsrattn.testing import assert_close, scattered_page_tables
 from bsrattn.torch_cuda import config as tcfg
 from bsrattn.torch_cuda.arrays import check_device, to_numpy
 from helpers import call_inputs, check_attention, naive_merge, raw_tensors, rounded
-from strategies import Problem, named_case
+from strategies import Problem, named_case, paged_problem
 
 DEVICE = "cpu" if tcfg.interpreting() else "cuda"
 
@@ -32,8 +32,9 @@ def tensor(x, dtype=torch.float32):
     return torch.as_tensor(np.asarray(x, dtype=np.float32)).to(device=DEVICE, dtype=dtype)
 
 
-def pool(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
+def inputs(problem, dtype=torch.float32):
+    """``problem``'s ``q, k, v`` (``helpers.raw_tensors``, as a caller passes them) as tensors on ``DEVICE``."""
+    return tuple(tensor(x, dtype) for x in call_inputs(problem.case, *raw_tensors(problem, "float32"))[:3])
 
 
 def _attention(problem, dtype=torch.float32, kv_dtype=None, **kwargs):
@@ -62,20 +63,13 @@ def _batch(problem, dtype=torch.float32, **plan_kwargs):
     return run, attn
 
 
-def paged_raw(rng, qo_lens=(3, 1, 2), kv_lens=(45, 12, 70), page=8, extra=3):
-    """``ba.layouts.paged``'s arguments: shuffled page tables over one pool with ``extra`` unused pages."""
-    tables, num_pages = scattered_page_tables(rng, kv_lens, page, spare_pages=extra)
+def scattered(rng, qo_lens=(3, 1, 2), kv_lens=(45, 12, 70), page=8, spare=3) -> dict:
+    """The fields of ``strategies.PAGED`` for these lengths (``paged_problem``'s overrides): shuffled page tables
+    over one pool with ``spare`` unused pages. The default rows are long enough for several KV tiles, whole, so
+    that the online softmax rescales its state."""
+    tables, num_pages = scattered_page_tables(rng, kv_lens, page, spare_pages=spare)
     return dict(qo_lens=list(qo_lens), page_tables=[t.tolist() for t in tables], kv_lens=list(kv_lens),
                 page_size=page, num_pages=num_pages)
-
-
-def paged_case(rng, **kwargs):
-    return ba.layouts.paged(**paged_raw(rng, **kwargs))
-
-
-def paged_problem(rng, variant=ba.Variant(), seed=0, **kwargs):
-    """A :func:`paged_raw` layout with 4 query heads over 2 KV heads, head_dim 16."""
-    return Problem(named_case("paged", paged_raw(rng, **kwargs)), 4, 2, 16, variant, seed)
 
 
 # ---- layouts and storage views ------------------------------------------------------------------------
@@ -87,9 +81,9 @@ def _layout_problem(kind, rng, hq, hkv):
     elif kind == "ragged (affine path)":
         case = named_case("ragged", dict(qo_lens=[2, 1, 3], kv_lens=[30, 65, 9]), "flat")
     elif kind == "paged NHD":
-        case = named_case("paged", paged_raw(rng))
+        case = named_case("paged", scattered(rng))
     elif kind == "paged HND":
-        case = named_case("paged", paged_raw(rng, page=5), "HND")
+        case = named_case("paged", scattered(rng, page=5), "HND")
     elif kind == "vector_sparse 3-D":
         tokens = [rng.choice(90, size=n, replace=False).tolist() for n in (40, 7)]
         case = named_case("vector_sparse", dict(token_indices=tokens, qo_lens=[2, 1], num_slots=90), "flat")
@@ -137,7 +131,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_variants_with_split_plans(name):
-    problem = paged_problem(np.random.default_rng(3), VARIANTS[name], seed=3)
+    problem = paged_problem(VARIANTS[name], seed=3, **scattered(np.random.default_rng(3)))
     for options in (dict(num_ctas=2, fixed_split_size=13), dict(num_ctas=3, disable_split_kv=True)):
         run, attn = _batch(problem, **options)
         check_attention(run, problem, "float32", name=f"{name} {options}")
@@ -158,7 +152,7 @@ def test_masked_rows_give_zero_and_minus_inf():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision(dtype):
     """bf16 runs on the GPU only (tests/test_torch_gpu.py): the interpreter computes it wrongly and is refused."""
-    problem = paged_problem(np.random.default_rng(5), ba.Variant(causal=True), seed=5)
+    problem = paged_problem(ba.Variant(causal=True), seed=5, **scattered(np.random.default_rng(5)))
     tdt = getattr(torch, dtype)
     run, attn = _batch(problem, tdt, num_ctas=2, fixed_split_size=16)
     if dtype == "bfloat16" and tcfg.interpreting():
@@ -177,7 +171,7 @@ def test_half_precision(dtype):
 
 @pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
 def test_fp8_kv_with_scales(fp8):
-    problem = paged_problem(np.random.default_rng(6), ba.Variant(causal=True, logits_soft_cap=4.0), seed=6)
+    problem = paged_problem(ba.Variant(causal=True, logits_soft_cap=4.0), seed=6, **scattered(np.random.default_rng(6)))
     q, k, v = raw_tensors(problem, "float16")
     tensors = q, rounded(k, fp8), rounded(v, fp8)
     check_attention(_attention(problem, torch.float16, getattr(torch, fp8), k_scale=0.7, v_scale=1.3), problem,
@@ -185,7 +179,7 @@ def test_fp8_kv_with_scales(fp8):
 
 
 def test_numpy_inputs_come_back_as_numpy():
-    problem = paged_problem(np.random.default_rng(7), seed=7)
+    problem = paged_problem(ba.Variant(), seed=7, **scattered(np.random.default_rng(7)))
     q, k, v = raw_tensors(problem, "float16")
 
     def run(q, k, v, kv_layout):
@@ -232,7 +226,7 @@ def test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm(monkeypatch):
     monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 16)
     rng = np.random.default_rng(16)
     for qo_lens, kv_lens, few in (((1,), (300,), True), ((1, 1, 1), (300, 12, 70), False), ((12,), (300,), False)):
-        problem = paged_problem(rng, qo_lens=qo_lens, kv_lens=kv_lens)
+        problem = paged_problem(ba.Variant(), **scattered(rng, qo_lens, kv_lens))
         run, attn = _batch(problem, torch.float16)
         check_attention(run, problem, "float16", name=f"decode rows {qo_lens}")
         plan, config = attn.work_plans[0], attn._runners[0].launch_config("float16", "NHD", True)
@@ -244,19 +238,109 @@ def test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm(monkeypatch):
             assert config.num_warps == 8, config
 
 
+# ---- the kernels' runtime arguments, declared once (kernel_args.py) ----------------------------------------
+
+def test_both_kernels_take_the_declared_runtime_arguments_then_their_constexprs():
+    """Each attention kernel's signature is :data:`kernel_args.RUNTIME_ARGS`, in order, then the compile-time
+    constants its ``constexprs`` gives, by name: a kernel, a declaration or a constexpr table that drifts fails."""
+    from bsrattn.torch_cuda import executor, item_kernel, kernel_args
+
+    config = tcfg.LaunchConfig(4, 2, 4, 64, 16, 16, 64, 64, 4, 3, "NHD", True, -1, False, False, False, False, False,
+                               True, True)
+    for kernel, constexprs in ((executor.persistent_attention, executor.constexprs(config, torch.float16)),
+                               (item_kernel.item_attention, item_kernel.constexprs(config, torch.float16, False))):
+        runtime = kernel_args.runtime_names(kernel)
+        assert runtime == kernel_args.RUNTIME_ARGS, (kernel.__name__, runtime)
+        assert tuple(kernel.arg_names) == runtime + kernel_args.constexpr_names(kernel), kernel.__name__
+        assert set(constexprs) == set(kernel_args.constexpr_names(kernel)), kernel.__name__
+    assert len(set(kernel_args.RUNTIME_ARGS)) == len(kernel_args.RUNTIME_ARGS)
+
+
+def _launch_fixture():
+    """Buffers, a configuration and a call's arguments, each tensor of its own shape, for the packers' checks."""
+    from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
+
+    buffers = PlanBuffers(Capacity(4, 16, 16, 16, 16, 0, 16), 8, 2, 16, torch.device(DEVICE))
+    config = tcfg.LaunchConfig(4, 2, 4, 16, 8, 16, 64, 16, 4, 3, "HND", False, 5, False, False, False, False, False,
+                               True, True)
+    q, out, prior_o = (torch.zeros((3, 8, 16), device=DEVICE) for _ in range(3))
+    k, v = (torch.zeros((6, 2, 8, 16), device=DEVICE) for _ in range(2))
+    lse, prior_lse = (torch.zeros((3, 8), device=DEVICE) for _ in range(2))
+    scalars = tcfg.Scalars(0.25, 1.5, 2.0, -0.5)
+    return buffers, config, (q, k, v, out, lse, prior_o, prior_lse), scalars
+
+
+def test_the_packers_give_the_declared_arguments_in_order():
+    """``call_args`` and ``plan_args`` give one value per declared name, each the one its name says."""
+    from bsrattn.torch_cuda import kernel_args
+    from bsrattn.torch_cuda.gather import kv_strides
+
+    buffers, config, (q, k, v, out, lse, prior_o, prior_lse), scalars = _launch_fixture()
+    call = kernel_args.call_args(q, k, v, out, lse, prior_o, prior_lse, config, scalars)
+    assert len(call) == len(kernel_args.CALL_ARGS)
+    named = dict(zip(kernel_args.CALL_ARGS, call))
+    for name, x in dict(q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, lse_ptr=lse, prior_o=prior_o,
+                        prior_lse=prior_lse).items():
+        assert named[name] is x, name
+    assert (named["q_strides"], named["out_strides"], named["lse_strides"]) == (q.stride(), out.stride(), lse.stride())
+    assert named["k_strides"] == kv_strides(k, "HND") and named["v_strides"] == kv_strides(v, "HND")
+    assert named["block_size"] == config.block_size and named["scalars"] == scalars
+    plan = kernel_args.plan_args(buffers, config)
+    assert len(plan) == len(kernel_args.PLAN_ARGS)
+    named = dict(zip(kernel_args.PLAN_ARGS, plan))
+    for name in ("cta_indptr", "items", "merge_partials", "kv_indices", "rope_q"):
+        assert named[name].data_ptr() == buffers.section(name).data_ptr(), name
+    for name, x in dict(part_o=buffers.part_o, part_lse=buffers.part_lse, sync=buffers.sync, mask_ptr=buffers.mask,
+                        alibi_ptr=buffers.alibi, rope_ptr=buffers.rope).items():
+        assert named[name].data_ptr() == x.data_ptr() and named[name].dtype == x.dtype, name
+    assert named["part_o_strides"] == buffers.part_o.stride()[:2]
+    assert named["part_lse_strides"] == buffers.part_lse.stride()
+    assert (named["window_left"], named["num_kv_heads"], named["merge_rows"]) == (5, 2, buffers.merge_rows)
+
+
+def test_a_launch_of_a_kept_kernel_hands_it_the_declared_arguments(monkeypatch):
+    """A :class:`~bsrattn.torch_cuda.launch.Launch` of a kind seen before hands a kept kernel's runner
+    ``RUNTIME_ARGS`` in order, tensors as their addresses, then the constexpr values: what the first launch,
+    through Triton, was given by name. (The interpreter keeps no kernels: here each kept one records its call.)"""
+    from bsrattn.torch_cuda import kernel_args, launch
+
+    calls = []
+
+    def recording(compiled, launch_grid, tail, descriptors):
+        return launch.KeptKernel(lambda *args, **kwargs: calls.append(args), lambda *args: None, launch_grid, None,
+                                 None, tail, descriptors)
+
+    monkeypatch.setattr(launch, "_KEEPS_KERNELS", True)
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch.KeptKernel, "of", staticmethod(recording))
+    buffers, config, tensors, scalars = _launch_fixture()
+    buffers.section("cta_indptr").zero_()  # no items: the first launch, through Triton, runs no program's work
+    kept = launch.Launch(buffers, config)
+    kept(*tensors, scalars)
+    kept(*tensors, scalars)
+    (kernels,) = launch._COMPILED.values()
+    assert len(calls) == len(kernels) == 2, "the first pass and REDO (the window hides keys), each once"
+    declared = kernel_args.call_args(*tensors, config, scalars) + kernel_args.plan_args(buffers, config)
+    addresses = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in declared)
+    for args, kernel in zip(calls, kernels):
+        for name, got, want in zip(kernel_args.RUNTIME_ARGS, args, addresses):
+            assert got == want, name
+        assert args == addresses + kernel.tail
+
+
 def test_block_sizes_that_are_not_powers_of_two_share_one_kernel():
     """transformers' cache is one block of ``S`` slots per request, ``S`` growing every step: the kernel reads such
     a block size at run time, so the steps share one compiled kernel instead of compiling one each; a page size
     that is a power of two stays a compile-time constant."""
     from dataclasses import replace
 
-    from bsrattn.torch_cuda import executor
+    from bsrattn.torch_cuda import executor, launch
     from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
 
     buffers = PlanBuffers(Capacity(4, 16, 16, 16, 16, 0, 16), 8, 2, 64, torch.device(DEVICE))
     base = tcfg.LaunchConfig(4, 2, 4, 64, 16, 16, 64, 64, 4, 3, "HND", False, -1, False, False, False, False, False,
                              True, True)
-    kinds = {bs: executor.Launch(buffers, replace(base, block_size=bs))._plan_kind for bs in (16, 512, 1000, 1001)}
+    kinds = {bs: launch.Launch(buffers, replace(base, block_size=bs))._plan_kind for bs in (16, 512, 1000, 1001)}
     assert kinds[1000] == kinds[1001] != kinds[16] != kinds[512]
     block_sizes = {bs: executor.constexprs(replace(base, block_size=bs), torch.float16)["BLOCK_SIZE"]
                    for bs in kinds}
@@ -266,7 +350,7 @@ def test_block_sizes_that_are_not_powers_of_two_share_one_kernel():
 # ---- out= / lse= buffers ------------------------------------------------------------------------------
 
 def test_out_and_lse_buffers_are_written_and_returned():
-    problem = paged_problem(np.random.default_rng(8), seed=8)
+    problem = paged_problem(ba.Variant(), seed=8, **scattered(np.random.default_rng(8)))
     layout = problem.case.layout
 
     def into_tensors(q, k, v, kv_layout):
@@ -291,15 +375,14 @@ def test_out_and_lse_buffers_are_written_and_returned():
 def test_replan_refills_buffers_in_place_and_replays():
     """The CPU analogue of a CUDA-graph replay: the op's arguments from the first run, after a re-plan."""
     rng = np.random.default_rng(9)
-    plan_a = paged_problem(rng, qo_lens=(1, 1, 1), kv_lens=(45, 12, 70), seed=9)
-    lay_a = plan_a.case.layout
-    plan_b = Problem(named_case("paged", dict(qo_lens=[1, 1, 1], page_tables=[[0, 1, 2], [7, 6, 5, 4, 3], [9]],
-                                              kv_lens=[17, 33, 2], page_size=8, num_pages=lay_a.num_blocks)),
-                     4, 2, 16, ba.Variant())
+    plan_a = paged_problem(ba.Variant(), seed=9, **scattered(rng, (1, 1, 1), (45, 12, 70)))
+    lay_a, head_dim = plan_a.case.layout, plan_a.head_dim
+    plan_b = paged_problem(ba.Variant(), qo_lens=[1, 1, 1], page_tables=[[0, 1, 2], [7, 6, 5, 4, 3], [9]],
+                           kv_lens=[17, 33, 2], num_pages=lay_a.num_blocks)
     tensors = raw_tensors(plan_a, "float32")
     qt, kt, vt = (tensor(x) for x in tensors)
     attn = ba.BatchAttention(backend="torch")
-    attn.plan(lay_a, 4, 2, 16, num_ctas=3)
+    attn.plan(lay_a, 4, 2, head_dim, num_ctas=3)
     runner_a = attn._runners[0]
     out, lse = torch.empty_like(qt), torch.empty(3, 4, device=DEVICE)
 
@@ -312,14 +395,14 @@ def test_replan_refills_buffers_in_place_and_replays():
     check_attention(launch, plan_a, "float32", tensors, name="plan A")
     buffers, pointer = runner_a.buffers, runner_a.buffers.raw.data_ptr()
 
-    attn.plan(plan_b.case.layout, 4, 2, 16, num_ctas=3)
+    attn.plan(plan_b.case.layout, 4, 2, head_dim, num_ctas=3)
     assert attn._runners[0].buffers is buffers and buffers.raw.data_ptr() == pointer
     assert attn.work_plans[0].num_merges > 0
     check_attention(launch, plan_b, "float32", tensors, name="replayed launch, plan B")
 
-    big = paged_case(rng, qo_lens=(1,) * 20, kv_lens=(40,) * 20, extra=0)
+    big = named_case("paged", scattered(rng, (1,) * 20, (40,) * 20, spare=0)).layout
     with pytest.warns(RuntimeWarning, match="recapture any CUDA graph"):
-        attn.plan(big, 4, 2, 16, num_ctas=3)
+        attn.plan(big, 4, 2, head_dim, num_ctas=3)
     assert attn._runners[0].buffers is not buffers, "a plan over capacity gets new buffers"
 
 
@@ -330,17 +413,18 @@ def test_a_replan_that_changes_what_a_captured_graph_recorded_warns(change):
     a re-plan refills the buffers in place, so one that changes any of those would make the graph's replays
     run the old launch over the new plan: it is warned, and a re-plan that keeps them is not. (Another grid
     never fits the buffers: that re-plan gets new ones, and its own warning, above.)"""
-    layout = paged_case(np.random.default_rng(12))
+    layout = named_case("paged", scattered(np.random.default_rng(12))).layout
     attn = ba.BatchAttention(backend="torch")
-    attn.plan(layout, 4, 2, 16, num_ctas=3)
+    attn.plan(layout, 4, 2, 8, num_ctas=3)
     buffers = attn._runners[0].buffers
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        attn.plan(layout, 4, 2, 16, num_ctas=3, **change)  # nothing captured: any re-plan is fine
+        attn.plan(layout, 4, 2, 8, num_ctas=3, **change)  # nothing captured: any re-plan is fine
         buffers.captured = True  # what a launch inside torch.cuda.graph() sets (tests/test_torch_gpu.py)
-        attn.plan(paged_case(np.random.default_rng(13)), 4, 2, 16, num_ctas=3, **change)  # new lengths only
+        other_pages = named_case("paged", scattered(np.random.default_rng(13))).layout
+        attn.plan(other_pages, 4, 2, 8, num_ctas=3, **change)  # new page tables only
     with pytest.warns(RuntimeWarning, match=r"a CUDA graph was captured on these buffers.*recapture it"):
-        attn.plan(layout, 4, 2, 16, num_ctas=3)
+        attn.plan(layout, 4, 2, 8, num_ctas=3)
     assert attn._runners[0].buffers is buffers
 
 
@@ -350,15 +434,15 @@ def test_a_causal_mask_that_hides_no_key_is_left_out_of_the_launch():
     A row of two queries keeps both, and a graph captured on the decode plan is warned about at that re-plan."""
     rng = np.random.default_rng(14)
     causal = ba.Variant(causal=True)
-    problem = paged_problem(rng, variant=causal, qo_lens=(1, 1, 1), kv_lens=(45, 12, 70))
+    problem = paged_problem(causal, **scattered(rng, (1, 1, 1), (45, 12, 70)))
     run, attn = _batch(problem, num_ctas=2, fixed_split_size=16)
     check_attention(run, problem, "float32", name="causal decode")
     config = attn._runners[0].launch_config("float32", "NHD", True)
     assert not config.causal and not config.hidden_keys
     attn._runners[0].buffers.captured = True  # as a launch inside torch.cuda.graph() sets it
     with pytest.warns(RuntimeWarning, match="the causal mask"):
-        attn.plan(paged_case(rng, qo_lens=(1, 2, 1), kv_lens=(45, 12, 70), extra=0), 4, 2, 16, variant=causal,
-                  num_ctas=2, fixed_split_size=16)
+        attn.plan(named_case("paged", scattered(rng, (1, 2, 1), (45, 12, 70), spare=0)).layout, 4, 2,
+                  problem.head_dim, variant=causal, num_ctas=2, fixed_split_size=16)
     assert attn._runners[0].launch_config("float32", "NHD", True).hidden_keys
 
 
@@ -370,7 +454,7 @@ def test_a_prefill_plan_that_splits_no_row_runs_the_kernel_without_merges(monkey
     monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 1)  # 2 CTAs a KV head
     rng = np.random.default_rng(15)
     causal = ba.Variant(causal=True)
-    problem = paged_problem(rng, variant=causal, qo_lens=(70, 45, 50), kv_lens=(80, 45, 70))
+    problem = paged_problem(causal, **scattered(rng, (70, 45, 50), (80, 45, 70)))
     run, attn = _batch(problem)
     check_attention(run, problem, "float32", name="prefill, no merges")
     assert attn.work_plans[0].num_merges == 0
@@ -382,14 +466,14 @@ def test_a_prefill_plan_that_splits_no_row_runs_the_kernel_without_merges(monkey
     buffers.captured, buffers.captured_without_merges = True, True  # as a capture of the merge-free launch sets
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        attn.plan(problem.case.layout, 4, 2, 16, variant=causal)  # splits nothing: the graph still fits
+        attn.plan(problem.case.layout, 4, 2, problem.head_dim, variant=causal)  # splits nothing: the graph still fits
     with pytest.warns(RuntimeWarning, match="a kernel without merges, and the new plan splits rows"):
-        attn.plan(problem.case.layout, 4, 2, 16, variant=causal, num_ctas=attn.work_plans[0].num_ctas,
+        attn.plan(problem.case.layout, 4, 2, problem.head_dim, variant=causal, num_ctas=attn.work_plans[0].num_ctas,
                   fixed_split_size=32)
     assert attn._runners[0].buffers is buffers
 
 
-# ---- prefill plans that split no row: the item kernel (prefill.py) ------------------------------------------
+# ---- prefill plans that split no row: the item kernel (item_kernel.py) ---------------------------------------
 
 def _item_kernel_problem(kind, variant, rng):
     """A prefill of 5 query tiles (64 rows of 2 heads each), enough that 2 CTAs a KV head split no row."""
@@ -423,7 +507,7 @@ def test_prefill_plans_that_split_no_row_run_the_item_kernel(kind, variant, monk
     rows too) and the call allows (``tma_ready``), gathered loads elsewhere; a window, deterministic mode, or a
     plan that splits rows under a causal mask that hides keys keep the persistent kernel (a split plan without
     hidden keys runs the item kernel with its merges)."""
-    from bsrattn.torch_cuda import executor, prefill
+    from bsrattn.torch_cuda import executor, item_kernel, launch
 
     monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 1)  # 2 CTAs a KV head
     problem = _item_kernel_problem(kind, variant, np.random.default_rng(16))
@@ -431,12 +515,12 @@ def test_prefill_plans_that_split_no_row_run_the_item_kernel(kind, variant, monk
     shipped = ba.BatchAttention(backend="torch")
     shipped.plan(problem.case.layout, 4, 2, 16, variant=variant, kv_layout=view)
     kv_view = shipped._runners[0].spec.kv_view_of(tensor(k))
-    assert shipped._runners[0].launch_config("float16", kv_view, True).prefill == tcfg.PREFILL_ITEMS  # short rows
-    monkeypatch.setattr(tcfg, "PREFILL_TMA_MIN_KV", 0)
+    assert shipped._runners[0].launch_config("float16", kv_view, True).item_kernel == tcfg.ITEM_KERNEL  # short rows
+    monkeypatch.setattr(tcfg, "ITEM_TMA_MIN_KV", 0)
     # The item kernel alone, without the persistent kernel's REDO launch (which would compute a flagged item
     # again, and clear its flag): on finite inputs it writes every row itself and flags no item.
     passes = executor.passes
-    monkeypatch.setattr(executor, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_COMPILED", {})
     monkeypatch.setattr(executor, "passes", lambda *a, **kw: passes(*a, **kw)[:1])
     run, attn = _batch(problem, torch.float16)
     check_attention(run, problem, "float16", name=kind)
@@ -444,15 +528,15 @@ def test_prefill_plans_that_split_no_row_run_the_item_kernel(kind, variant, monk
     assert not buffers.sync[3 * buffers.merge_rows:].any(), "items flagged for computing again"
     monkeypatch.setattr(executor, "passes", passes)
     config = attn._runners[0].launch_config("float16", kv_view, True)
-    assert attn.work_plans[0].num_merges == 0 and config.prefill == tcfg.PREFILL_TMA, config
-    assert prefill.tma_ready(config, *(tensor(x, torch.float16) for x in (q, k, v))) == ITEM_KERNEL_CASES[kind]
+    assert attn.work_plans[0].num_merges == 0 and config.item_kernel == tcfg.ITEM_KERNEL_TMA, config
+    assert item_kernel.tma_ready(config, *(tensor(x, torch.float16) for x in (q, k, v))) == ITEM_KERNEL_CASES[kind]
     windowed = ba.Variant(causal=True, window_left=40)
     for changed, kwargs in ((variant, dict(num_ctas=3, fixed_split_size=16)), (variant, dict(deterministic=True)),
                             (windowed, {})):
         other = ba.BatchAttention(backend="torch")
         other.plan(problem.case.layout, 4, 2, 16, variant=changed, kv_layout=view, **kwargs)
-        item_kernel = bool(other._runners[0].launch_config("float16", config.kv_view, True).prefill)
-        assert item_kernel == (changed is variant and "fixed_split_size" in kwargs and not variant.causal), \
+        on_items = bool(other._runners[0].launch_config("float16", config.kv_view, True).item_kernel)
+        assert on_items == (changed is variant and "fixed_split_size" in kwargs and not variant.causal), \
             (changed, kwargs)
 
 
@@ -466,21 +550,19 @@ def test_a_hidden_keys_nan_does_not_reach_the_item_kernels_rows(descriptors, mon
     v = v.copy()
     v[40] = np.nan  # row 0's key 40: hidden from its first 20 queries (positions 20..89 see keys up to their own)
     monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 1)
-    monkeypatch.setattr(tcfg, "PREFILL_TMA_MIN_KV", 0 if descriptors else tcfg.PREFILL_TMA_MIN_KV)
+    monkeypatch.setattr(tcfg, "ITEM_TMA_MIN_KV", 0 if descriptors else tcfg.ITEM_TMA_MIN_KV)
     run, attn = _batch(problem, torch.float16)
     out, _ = check_attention(run, problem, "float16", tensors=(q, k, v), name="NaN of a hidden key")
-    want = tcfg.PREFILL_TMA if descriptors else tcfg.PREFILL_ITEMS
-    assert attn._runners[0].launch_config("float16", "NHD3", True).prefill == want
+    want = tcfg.ITEM_KERNEL_TMA if descriptors else tcfg.ITEM_KERNEL
+    assert attn._runners[0].launch_config("float16", "NHD3", True).item_kernel == want
     assert np.isfinite(out[:20]).all() and np.isnan(out[20:70]).all()
 
 
 def test_same_plan_same_bits():
-    rng = np.random.default_rng(10)
-    layout = paged_case(rng)
-    q, k, v = (tensor(pool(rng, *s)) for s in ((layout.nnz_qo, 4, 16), (layout.num_blocks, 8, 2, 16),
-                                                (layout.num_blocks, 8, 2, 16)))
+    problem = paged_problem(ba.Variant(), seed=10, **scattered(np.random.default_rng(10)))
+    q, k, v = inputs(problem)
     attn = ba.BatchAttention(backend="torch")
-    attn.plan(layout, 4, 2, 16, num_ctas=2, fixed_split_size=7)
+    attn.plan(problem.case.layout, 4, 2, problem.head_dim, num_ctas=2, fixed_split_size=7)
     first = attn.run(q, k, v, return_lse=True)
     for _ in range(2):
         again = attn.run(q, k, v, return_lse=True)
@@ -519,7 +601,7 @@ def test_a_cascades_last_level_folds_the_levels_before_it(kernel, split, monkeyp
     last = attn._runners[-1]
     assert (last.work_plan.num_merges > 0) == split
     (key, config), = last._configs.items()
-    assert key[3] and config.prior and bool(config.prefill) == (kernel == "items"), config
+    assert key[3] and config.prior and bool(config.item_kernel) == (kernel == "items"), config
     assert not any(key[3] for key in attn._runners[0]._configs), "the first level folds no prior"
     check_attention(_attention(problem, torch.float16), problem, "float16", name=f"one-shot cascade, {kernel}")
     assert merged == [], "a merge launched beside the levels"
@@ -556,16 +638,16 @@ def test_one_shot_calls_of_one_spec_plan_once(monkeypatch):
     runner and runs its plan again for a call of the same spec (the same layout object, heads, variant, dtypes and
     view), planning again whenever any of them changes; every call answers as the reference does."""
     from bsrattn import scheduler
-    from bsrattn.torch_cuda import runner as truner
+    from bsrattn.torch_cuda import one_shot
 
     plans = []
     real = scheduler._plan_valid
     monkeypatch.setattr(scheduler, "_plan_valid", lambda *args, **kwargs: plans.append(1) or real(*args, **kwargs))
-    monkeypatch.setattr(truner, "_kept", {})
+    monkeypatch.setattr(one_shot, "_kept", {})
     rng = np.random.default_rng(8)
-    plain = paged_problem(rng, qo_lens=(1, 1, 1), kv_lens=(40, 70, 20))
-    capped = Problem(plain.case, 4, 2, 16, ba.Variant(logits_soft_cap=2.0), seed=0)
-    other = paged_problem(rng, qo_lens=(1, 1), kv_lens=(90, 30))
+    plain = paged_problem(ba.Variant(), **scattered(rng, (1, 1, 1), (40, 70, 20)))
+    capped = Problem(plain.case, 4, 2, plain.head_dim, ba.Variant(logits_soft_cap=2.0), seed=0)
+    other = paged_problem(ba.Variant(), **scattered(rng, (1, 1), (90, 30)))
     calls = [(plain, torch.float32, 1), (plain, torch.float32, 1), (capped, torch.float32, 2),
              (plain, torch.float32, 3), (plain, torch.float16, 4), (plain, torch.float16, 4), (other, torch.float16, 5),
              (other, torch.float16, 5)]
@@ -578,11 +660,10 @@ def test_one_shot_calls_of_one_spec_plan_once(monkeypatch):
 # ---- torch.compile ------------------------------------------------------------------------------------
 
 def test_custom_ops_trace_without_graph_breaks():
-    rng = np.random.default_rng(13)
-    layout = paged_case(rng, qo_lens=(1, 1, 1))
-    q, k, v = (tensor(pool(rng, *s)) for s in ((3, 4, 16), (layout.num_blocks, 8, 2, 16), (layout.num_blocks, 8, 2, 16)))
+    problem = paged_problem(ba.Variant(), seed=13, **scattered(np.random.default_rng(13), qo_lens=(1, 1, 1)))
+    q, k, v = inputs(problem)
     attn = ba.BatchAttention(backend="torch")
-    attn.plan(layout, 4, 2, 16, num_ctas=2, fixed_split_size=16)
+    attn.plan(problem.case.layout, 4, 2, problem.head_dim, num_ctas=2, fixed_split_size=16)
 
     def step(q, k, v):
         out, lse = attn.run(q, k, v, return_lse=True)
@@ -600,21 +681,20 @@ def test_custom_ops_trace_without_graph_breaks():
 @pytest.fixture
 def no_launch(monkeypatch):
     """Make any kernel launch fail the test: the checks under test must raise first."""
-    from bsrattn.torch_cuda import executor
+    from bsrattn.torch_cuda import launch
 
     def launched(*args, **kwargs):
         raise AssertionError("a kernel was launched before the inputs were checked")
 
-    monkeypatch.setattr(executor, "launch", launched)
+    monkeypatch.setattr(launch, "launch", launched)
+    monkeypatch.setattr(launch.Launch, "__call__", launched)
 
 
 def test_bad_inputs_raise_before_launch(no_launch):
-    rng = np.random.default_rng(14)
-    layout = paged_case(rng)
-    q, k, v = (tensor(pool(rng, *s)) for s in ((layout.nnz_qo, 4, 16), (layout.num_blocks, 8, 2, 16),
-                                                (layout.num_blocks, 8, 2, 16)))
+    problem = paged_problem(ba.Variant(), seed=14, **scattered(np.random.default_rng(14)))
+    q, k, v = inputs(problem)
     attn = ba.BatchAttention(backend="torch")
-    attn.plan(layout, 4, 2, 16)
+    attn.plan(problem.case.layout, 4, 2, problem.head_dim)
     with pytest.raises(TypeError, match="float64"):
         attn.run(q.double(), k.double(), v.double())
     with pytest.raises(TypeError, match="lse has dtype"):
@@ -642,49 +722,49 @@ def test_kept_kernels_go_through_triton_while_a_launch_hook_is_set(monkeypatch):
     where the installed Triton keeps them."""
     import triton
 
-    from bsrattn.torch_cuda import executor
+    from bsrattn.torch_cuda import launch
 
     chain_type = getattr(getattr(triton, "knobs", None), "HookChain", None)  # Triton 3.5 on
     for name in ("launch_enter_hook", "launch_exit_hook"):
         with monkeypatch.context() as m:
-            m.setattr(executor._HOOKS, name, None)
-            assert executor._no_launch_hooks()
-            m.setattr(executor._HOOKS, name, print)
-            assert not executor._no_launch_hooks(), name
+            m.setattr(launch._HOOKS, name, None)
+            assert launch._no_launch_hooks()
+            m.setattr(launch._HOOKS, name, print)
+            assert not launch._no_launch_hooks(), name
             if chain_type is not None:
                 chain = chain_type()
-                m.setattr(executor._HOOKS, name, chain)
-                assert executor._no_launch_hooks()
+                m.setattr(launch._HOOKS, name, chain)
+                assert launch._no_launch_hooks()
                 chain.add(print)
-                assert not executor._no_launch_hooks(), name
+                assert not launch._no_launch_hooks(), name
     from triton.compiler.compiler import CompiledKernel
 
     monkeypatch.delattr(triton, "knobs", raising=False)  # before Triton 3.4: CompiledKernel's class attributes
-    assert executor._hook_holder() is CompiledKernel
+    assert launch._hook_holder() is CompiledKernel
 
 
 def test_a_launch_over_buffers_of_another_item_capacity_keeps_its_own_kernels(monkeypatch):
-    """The item kernel's grid is its buffers' item capacity, and a kept kernel carries the grid it was launched
-    over: a later plan whose buffers hold more items must not launch the first plan's kept kernels, or the items
-    past the first capacity never run. Here kept kernels do nothing, so a launch that reused them would leave the
+    """The item kernel's launch grid is its buffers' item capacity, and a kept kernel carries the launch grid it was
+    launched over: a later plan whose buffers hold more items must not launch the first plan's kept kernels, or the
+    items past the first capacity never run. Here kept kernels do nothing, so a launch that reused them would leave the
     second plan's rows unwritten (the interpreter compiles nothing to keep: this stands in for the GPU)."""
-    from bsrattn.torch_cuda import executor
+    from bsrattn.torch_cuda import launch
 
-    def do_nothing(compiled, grid, tail, descriptors):
-        return executor.KeptKernel(lambda *args, **kwargs: None, lambda *args: None, grid, None, None, tail,
-                                   descriptors)
+    def do_nothing(compiled, launch_grid, tail, descriptors):
+        return launch.KeptKernel(lambda *args, **kwargs: None, lambda *args: None, launch_grid, None, None, tail,
+                                 descriptors)
 
-    monkeypatch.setattr(executor, "_KEEPS_KERNELS", True)
-    monkeypatch.setattr(executor, "_COMPILED", {})
-    monkeypatch.setattr(executor.KeptKernel, "of", staticmethod(do_nothing))
+    monkeypatch.setattr(launch, "_KEEPS_KERNELS", True)
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch.KeptKernel, "of", staticmethod(do_nothing))
     rng = np.random.default_rng(5)
     capacities = []
     for batch in (8, 20):  # chains of short decode items (config.decode_on_items): 8 and then 20 items
-        problem = paged_problem(rng, qo_lens=(1,) * batch, kv_lens=tuple(rng.integers(20, 60, size=batch)))
+        problem = paged_problem(ba.Variant(), **scattered(rng, (1,) * batch, tuple(rng.integers(20, 60, size=batch))))
         run, attn = _batch(problem, torch.float16)
         check_attention(run, problem, "float16", name=f"decode of {batch} rows")
         runner = attn._runners[0]
-        assert runner.launch_config("float16", "NHD", True).prefill, "the case must run the item kernel"
+        assert runner.launch_config("float16", "NHD", True).item_kernel, "the case must run the item kernel"
         capacities.append(runner.buffers.item_capacity)
     assert capacities[0] < 20, capacities
 
@@ -708,12 +788,12 @@ def test_a_split_decode_runs_the_item_kernel_with_its_merges(shape, variant, sto
     rng = np.random.default_rng(21)
     qo_lens, kv_lens = SPLIT_DECODES[shape]
     if storage == "paged":
-        problem, kernel = paged_problem(rng, variant, qo_lens=qo_lens, kv_lens=kv_lens), tcfg.PREFILL_ITEMS
+        problem, kernel = paged_problem(variant, **scattered(rng, qo_lens, kv_lens)), tcfg.ITEM_KERNEL
     else:
-        monkeypatch.setattr(tcfg, "PREFILL_TMA_MIN_KV", 0)
+        monkeypatch.setattr(tcfg, "ITEM_TMA_MIN_KV", 0)
         case = named_case("ragged", dict(qo_lens=list(qo_lens), kv_lens=list(kv_lens)), "flat")
-        problem, kernel = Problem(case, 4, 2, 16, variant, seed=21), tcfg.PREFILL_TMA
-    from bsrattn.torch_cuda import prefill
+        problem, kernel = Problem(case, 4, 2, 16, variant, seed=21), tcfg.ITEM_KERNEL_TMA
+    from bsrattn.torch_cuda import item_kernel
 
     q, k, v = (tensor(x, torch.float16) for x in call_inputs(problem.case, *raw_tensors(problem, "float16"))[:3])
     run, attn = _batch(problem, torch.float16)
@@ -721,10 +801,9 @@ def test_a_split_decode_runs_the_item_kernel_with_its_merges(shape, variant, sto
         check_attention(run, problem, "float16", name=f"split decode, {shape}, {storage}")
         runner = attn._runners[0]
         plan, config = runner.work_plan, runner.launch_config("float16", runner.spec.kv_view_of(k), True)
-        assert plan.num_merges > 0 and config.merges and config.prefill == kernel, config
+        assert plan.num_merges > 0 and config.merges and config.item_kernel == kernel, config
         assert not runner.buffers.sync.any(), "a merge counter left behind"
-        assert prefill.tma_ready(config, q, k, v) == (kernel == tcfg.PREFILL_TMA)
+        assert item_kernel.tma_ready(config, q, k, v) == (kernel == tcfg.ITEM_KERNEL_TMA)
     few = ba.BatchAttention(backend="torch")
-    few.plan(paged_problem(rng, variant, qo_lens=(1, 1, 1), kv_lens=(300, 12, 170)).case.layout, 4, 2, 16,
-             variant=variant)
-    assert not few._runners[0].launch_config("float16", "NHD", True).prefill
+    few.plan(named_case("paged", scattered(rng, (1, 1, 1), (300, 12, 170))).layout, 4, 2, 8, variant=variant)
+    assert not few._runners[0].launch_config("float16", "NHD", True).item_kernel

@@ -5,6 +5,10 @@ or loaded affinely), :mod:`.microkernel` (the online-softmax core on ``tl.dot``)
 kernels), :mod:`.executor` (one persistent kernel per plan, the merge folded in), plus :mod:`.config`
 (tiles, ``plan_options``), :mod:`.plan_buffers` (device buffers refilled in place), :mod:`.runner`
 (plan/run), :mod:`.ops` (``torch.library`` custom ops) and :mod:`.arrays` (NumPy in, NumPy out).
+:mod:`.item_kernel` runs plans of one-tile items one program per item, and :mod:`.kernel_args` declares both
+kernels' runtime arguments. The serving layer's rooms, each over the core (:mod:`.core`): :mod:`.deterministic`
+(the chunk grid), :mod:`.prior` (a prior state folded in), :mod:`.launch` (launches past Triton's dispatch),
+:mod:`.one_shot` (the one-shot call's caches).
 
 Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
 
@@ -26,13 +30,18 @@ import torch
 
 from bsrattn.torch_cuda import ops
 from bsrattn.torch_cuda.config import plan_options
-from bsrattn.torch_cuda.runner import Runner, attention, make_runner
+from bsrattn.torch_cuda.one_shot import attention
+from bsrattn.torch_cuda.runner import Runner, make_runner
 from bsrattn.torch_cuda.arrays import device_of, to_numpy, to_torch
 
 __all__ = ["attention", "merge_state", "merge_states", "add_states", "plan_options", "make_runner", "Runner"]
 
 FOLDS_PRIOR = True
 """``attention`` and ``Runner.run`` take ``prior=(o, lse)``, folded in by the kernel (``Backend.folds_prior``)."""
+BINDS_RUNS = True
+"""Runners have ``bind``: a serving loop's call does the work that follows from its arguments' kinds once."""
+KERNELS = ("shipped", "core")
+"""The serving kernels, and :mod:`.core`, the paper's kernel at teaching size (``kernel="core"``)."""
 
 
 def _tensors(named):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bsrattn.torch_cuda.config import interpreting
+from bsrattn.torch_cuda.config import interpreter_changed, interpreting
 from bsrattn.validation import dtype_name
 
 TORCH_DTYPES = {
@@ -54,6 +54,10 @@ def check_device(device: torch.device, whose: str | None = None) -> None:
         return
     if device.type == "meta":
         why = "a meta tensor holds no data"
+    elif device.type in ("cpu", "cuda") and interpreter_changed():
+        why = (f"TRITON_INTERPRET changed after the tier was imported, whose kernels Triton had then made for "
+               f"{'its CPU interpreter' if interpreting() else 'a GPU'}; restart the process with the variable set "
+               f"as wanted before bsrattn's torch tier is imported")
     elif device.type == "cpu":
         why = "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
     elif device.type == "cuda":

@@ -12,35 +12,34 @@ Two shapes of work, one kernel:
 ``num_ctas`` is CTAs per KV head (the scheduler's unit): the launch is ``num_ctas x num_kv_heads``
 programs, a fixed number of waves of the GPU, read from the device's SM count: two CTAs per SM at decode
 (both resident), four at prefill (one resident: the others queue, so the hardware evens out what the static
-plan cannot see, the causal triangle's unequal tiles; W3 16 x 1024: 645 -> 579 us). A decode batch of few
+plan cannot see, the causal triangle's unequal tiles). A decode batch of few
 (row, KV head) pairs, at most one per ``DECODE_FEW_PAIRS_PER`` SMs, whose tiles hold at most ``DECODE_FEW_ROWS``
-rows, is balanced over one CTA per SM (``busy_ctas``), the grid's other CTAs left empty, and runs 8 warps: each
+rows, is balanced over one CTA per SM (``busy_ctas``), the launch grid's other CTAs left empty, and runs 8 warps: each
 pair's KV is split over many CTAs anyway, and longer items with more loads in flight each beat twice the items
-merged through memory. (Measured with a grid of one CTA per SM: W2 1 x 16384 55 -> 42 us on the H200. The grid
-stays at two CTAs per SM so that a captured CUDA graph, which records it, replays any batch's plan.) Taller
-tiles, such as a cascade's shared-prefix level, which puts a whole batch's queries in one block row, compute
-more per KV tile, and two CTAs per SM overlap one's loads with the other's math: W5's prefix level over 32k keys
-for 64 queries 236 -> 182 us (over 8k, 74 -> 76 us).
+merged through memory. (The launch grid stays at two CTAs per SM so that a captured CUDA graph, which records it,
+replays any batch's plan.) Taller tiles, such as a cascade's shared-prefix level, which puts a whole batch's
+queries in one block row, compute more per KV tile, and two CTAs per SM overlap one's loads with the other's
+math.
 
-Decode chunks are whole KV tiles (``kv_align = BLOCK_N``) of at least ``DECODE_MIN_SPLIT`` slots. Measured
-on the H200 (``benchmarks/tune.py``, NOTES.md): with chunks of exactly ``L_kv`` the per-row ceilings
-leave a few more items than CTAs, so a second wave of a handful of items doubles the makespan (W1, budget
-512: 288 items on 264 CTAs, 78 us); aligned chunks give 256 items in one wave (61 us), and a 256-slot
-minimum stops a small budget from being cut into 2-tile items whose prologue and merge dominate (W1,
-budget 64: 48 -> 21.5 us). A caller who passes ``num_ctas`` to ``BatchAttention.plan`` gets Algorithm 1
-exactly at that count, without these two bounds.
+Decode chunks are whole KV tiles (``kv_align = BLOCK_N``) of at least ``DECODE_MIN_SPLIT`` slots: with chunks of
+exactly ``L_kv`` the per-row ceilings leave a few more items than CTAs, so a second wave of a handful of items
+doubles the makespan; aligned chunks fit one wave, and the minimum stops a small budget from being cut into
+2-tile items whose prologue and merge dominate. Every choice here was measured (``benchmarks/tune.py``; the
+figures are in ``benchmarks/NOTES.md``, the torch tier's ladder). A caller who passes ``num_ctas`` to
+``BatchAttention.plan`` gets Algorithm 1 exactly at that count, without these two bounds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from dataclasses import astuple, dataclass, fields
 from typing import NamedTuple
 
 import numpy as np
+
+from bsrattn.indexing import ceil_div
 
 DECODE_ROWS = 64
 """A tile whose query rows x group heads fit in this many rows is run with the decode shapes."""
@@ -70,11 +69,24 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-@functools.cache
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read once: the variable must
-    be set before Triton is imported, so it cannot change in a process; a call reads it several times."""
+def _interpret_set() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_INTERPRETING = _interpret_set()  # read as the tier's kernels are decorated, when Triton makes the same choice
+
+
+def interpreting() -> bool:
+    """Whether Triton runs this tier's kernels in its CPU interpreter (``TRITON_INTERPRET=1``): as the variable
+    stood when the tier was imported, when ``triton.jit`` chose between the interpreter and the compiler for its
+    kernels; a later change does not move them (:func:`interpreter_changed`)."""
+    return _INTERPRETING
+
+
+def interpreter_changed() -> bool:
+    """Whether ``TRITON_INTERPRET`` now says otherwise than when the tier was imported: it was set (or unset) too
+    late, and only a restart with it set before the import moves the kernels."""
+    return _interpret_set() != _INTERPRETING
 
 
 _interpreter = threading.Lock()
@@ -99,13 +111,12 @@ def block_m(tile_q: int, group_size: int) -> int:
 def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False) -> Tiles:
     """Tile shapes for an M tile of ``m`` rows. ``dtype`` is ``q``'s (fp32 dots run on CUDA cores: smaller tiles).
 
-    Measured on the H200 (``benchmarks/tune.py``, NOTES.md). Decode streams KV: 3 pipeline stages keep two
-    tiles in flight behind the one being used (the tile's block ids are loaded a tile ahead), and two CTAs of
-    4 warps share an SM. A decode plan with ``few_items`` (fewer busy programs than SMs) leaves SMs idle
-    whatever the tile; 8 warps then put more loads in flight for each item (W1 at budget 64: 22.4 -> 18.2
-    us). Prefill is FLOP-bound: 128 x 64 tiles on 8 warps (two warpgroups of wgmma), 3 stages.
-    Shared memory per stage is ``block_n x block_d`` for each of K and V; every choice keeps a CTA inside the
-    H200's 227 KiB (two per SM at decode shapes).
+    Chosen by ``benchmarks/tune.py``'s sweeps (``benchmarks/NOTES.md``). Decode streams KV: 3 pipeline stages keep two
+    tiles in flight behind the one being used (the tile's block ids are loaded a tile ahead), and two CTAs of 4 warps
+    share an SM. A decode plan with ``few_items`` (fewer busy programs than SMs) leaves SMs idle whatever the tile; 8
+    warps then put more loads in flight for each item. Prefill is FLOP-bound: 128 x 64 tiles on 8 warps (two warpgroups
+    of wgmma), 3 stages. Shared memory per stage is ``block_n x block_d`` for each of K and V; every choice keeps a CTA
+    inside the H200's 227 KiB (two per SM at decode shapes).
     """
     if block_d(head_dim) > 128 or dtype == "float32":
         return Tiles(block_m=min(m, 64), block_n=32, num_warps=4, num_stages=2)
@@ -114,7 +125,7 @@ def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False) -> Tiles:
     return Tiles(block_m=m, block_n=64, num_warps=8, num_stages=3)
 
 
-_SMS = {}  # CUDA device index -> SM count: a device's properties do not change, and reading them costs µs
+_SMS = {}  # CUDA device index -> SM count: a device's properties do not change, and reading them is slow
 
 
 def num_sms(device=None) -> int:
@@ -133,8 +144,8 @@ def num_sms(device=None) -> int:
 
 def plan_options(spec, device=None) -> dict:
     """Scheduler options for ``spec``: ``num_ctas`` (per KV head), ``tile_q``, ``min_split_size``, ``kv_align``,
-    ``busy_ctas`` (decode), and ``lead_items`` (deterministic mode: the kernel folds an item's chunks of the
-    grid itself, so a row's first item covers the normal plan's chunk, rounded onto the grid).
+    ``busy_ctas`` (decode), and ``lead_items`` (deterministic mode: the kernel folds an item's chunks itself, so a
+    row's first item covers the normal plan's chunk, rounded onto the chunk grid of ``split_size``).
 
     Examples
     --------
@@ -165,19 +176,18 @@ def plan_options(spec, device=None) -> dict:
     # As many query tiles as CTAs or more: every CTA has whole tiles to run, so no row is split (a chunk as long
     # as the longest row), and the kernel carries no merges (LaunchConfig.merges). Fewer tiles (a short prefill
     # over a long cache): the rows are split so that every CTA streams.
-    query_tiles = int(np.sum(-(-qo // tile_q)))
+    query_tiles = int(np.sum(ceil_div(qo, tile_q)))
     min_split = int(spec.layout.kv_lens.max(initial=1)) if query_tiles >= ctas else 1
     return dict(num_ctas=ctas, tile_q=tile_q, min_split_size=max(1, min_split), kv_align=1,
                 lead_items=spec.split_size is not None)
 
 
-PREFILL_ITEMS, PREFILL_TMA = 1, 2
-"""``LaunchConfig.prefill``: the item kernel (``prefill.py``) with gathered loads, or reading dense rows through
-tensor descriptors."""
-PREFILL_TMA_MIN_KV = 4096
-"""The item kernel reads dense rows through tensor descriptors for plans whose items average this many KV slots or
-more. Measured on the H200 (W3, bf16 causal; NOTES.md): 1 x 8192 1443 -> 1288 us, but 16 x 1024 551 -> 573 us and
-16 x U(256,1792) 640 -> 650 us: a short row's few tiles do not repay making its descriptors."""
+ITEM_KERNEL, ITEM_KERNEL_TMA = 1, 2
+"""``LaunchConfig.item_kernel``: the item kernel (``item_kernel.py``) with gathered loads, or reading affine rows
+through tensor descriptors."""
+ITEM_TMA_MIN_KV = 4096
+"""The item kernel reads affine rows through tensor descriptors for plans whose items average this many KV slots
+or more: a long row gains, a short row's few tiles do not repay making its descriptors (``benchmarks/NOTES.md``)."""
 
 
 def causal_hides_keys(spec) -> bool:
@@ -193,13 +203,8 @@ DECODE_SHORT_ITEM = 256
 """A decode plan runs the item kernel where its tiles hold more than :data:`DECODE_FEW_ROWS` rows, or where the
 persistent kernel's CTAs would each run a chain of short items: :data:`DECODE_CHAIN_ITEMS` items a CTA or more,
 of :data:`DECODE_SHORT_ITEM` KV slots or fewer on average. Such a chain restarts the KV pipeline at every item,
-one after another, where one program per item lets an SM overlap one item's start with another's loads.
-Measured on the H200 (graph mode, one level alone, 32 heads, d128), persistent -> item kernel: W5's suffix level
-(64 items of 256 slots on 8 CTAs a KV head) 111.2 -> 50.7 us, its 1k x 16 suffix level (2 a CTA) 39.4 -> 33.8,
-its prefix level (64-row tiles) over 8k and 32k keys 76.2 -> 67.8 and 181.1 -> 163.3. Elsewhere the persistent
-kernel is faster: W2 1 x 16384 (16 items of 1024 slots, 33 CTAs) 42.4 against 52.5, 64 x 4096 273.9 against
-330.0, 64 x 1024 (2 items a CTA of 1024 slots) 90.1 against 96.5, W1 at 512 pages 56.4 against 73.9, the 16-row
-prefix level of 1k x 16 19.3 against 20.6."""
+one after another, where one program per item lets an SM overlap one item's start with another's loads. Elsewhere
+(long items, few items a CTA) the persistent kernel is faster (``benchmarks/NOTES.md`` has both sides' figures)."""
 
 
 def decode_on_items(work_plan, rows: int) -> bool:
@@ -210,12 +215,12 @@ def decode_on_items(work_plan, rows: int) -> bool:
     return kv.size >= DECODE_CHAIN_ITEMS * work_plan.num_ctas and kv.mean(dtype=np.float64) <= DECODE_SHORT_ITEM
 
 
-def prefill_kernel(spec, work_plan, q_dtype: str, dense_rows: bool) -> int:
-    """``LaunchConfig.prefill`` for ``work_plan``: 0 (the persistent kernel) unless the item kernel (``prefill.py``)
-    runs it: a plan whose tiles fit one M tile, whose variant the item kernel has (at most a causal mask and a soft
-    cap; not deterministic), that splits no row where the causal mask hides keys, and, for decode tiles, that
-    :func:`decode_on_items` picks; then :data:`PREFILL_TMA` for a plan with ``dense_rows`` whose items average
-    :data:`PREFILL_TMA_MIN_KV` slots or more, else :data:`PREFILL_ITEMS`."""
+def item_kernel_for(spec, work_plan, q_dtype: str, affine_rows: bool) -> int:
+    """``LaunchConfig.item_kernel`` for ``work_plan``: 0 (the persistent kernel) unless the item kernel
+    (``item_kernel.py``) runs it: a plan whose tiles fit one M tile, whose variant the item kernel has (at most a causal
+    mask and a soft cap; not deterministic), that splits no row where the causal mask hides keys, and, for decode tiles,
+    that :func:`decode_on_items` picks; then :data:`ITEM_KERNEL_TMA` for a plan with ``affine_rows`` whose items average
+    :data:`ITEM_TMA_MIN_KV` slots or more, else :data:`ITEM_KERNEL`."""
     variant = spec.variant
     rows = work_plan.tile_q * spec.group_size
     if ((work_plan.num_merges and causal_hides_keys(spec)) or spec.split_size is not None or rows > PREFILL_BLOCK_M
@@ -225,7 +230,7 @@ def prefill_kernel(spec, work_plan, q_dtype: str, dense_rows: bool) -> int:
             or spec.layout.custom_mask is not None):
         return 0
     kv = work_plan.item_kv_end - work_plan.item_kv_start
-    return PREFILL_TMA if dense_rows and kv.mean(dtype=np.float64) >= PREFILL_TMA_MIN_KV else PREFILL_ITEMS
+    return ITEM_KERNEL_TMA if affine_rows and kv.mean(dtype=np.float64) >= ITEM_TMA_MIN_KV else ITEM_KERNEL
 
 
 KV_VIEWS = ("NHD", "HND", "NHD3")
@@ -233,7 +238,7 @@ KV_VIEWS = ("NHD", "HND", "NHD3")
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """What a launch fixes: its grid and its compile-time constants. A CUDA graph records all of these.
+    """What a launch fixes: its launch grid and its compile-time constants. A CUDA graph records all of these.
 
     Crosses the custom-op boundary as a list of ints (:meth:`to_list`, :meth:`from_list`).
     """
@@ -257,25 +262,25 @@ class LaunchConfig:
     rope: bool
     custom_mask: bool
     store_lse: bool
-    dense_rows: bool
-    """Whether the kernel carries the dense (affine) load path: when some row of the plan is affine. The
+    affine_rows: bool
+    """Whether the kernel carries the affine load path (``gather.py``): when some row of the plan is affine. The
     sparse path serves every row, so a graph captured without it stays correct when later plans have some."""
     merges: bool = True
     """Whether the kernel carries the split rows' partial-state stores and merges: when the plan splits some row.
-    Without them the kernel keeps fewer values live (a prefill tile's 255 registers and 80 bytes of stack become
-    251 registers and none on sm_90), but runs only plans that split nothing: a graph captured without them must
+    Without them the kernel keeps fewer values live (a prefill tile's state stays in registers, where with them it
+    spills), but runs only plans that split nothing: a graph captured without them must
     be recaptured for a plan that splits (the runner warns). Deterministic mode always carries them: its contract
     includes a graph replayed across re-plans, and which rows a plan cuts changes with the batch."""
-    prefill: int = 0
-    """Which kernel runs the first pass: 0 the persistent kernel, else the item kernel (``prefill.py``),
-    :data:`PREFILL_ITEMS` or :data:`PREFILL_TMA` (:func:`prefill_kernel` chooses). The item kernel runs any plan
+    item_kernel: int = 0
+    """Which kernel runs the first pass: 0 the persistent kernel, else the item kernel (``item_kernel.py``),
+    :data:`ITEM_KERNEL` or :data:`ITEM_KERNEL_TMA` (:func:`item_kernel_for` chooses). The item kernel runs any plan
     without merges correctly, so a graph captured on it replays such re-plans."""
-    grid: int = 0
-    """Deterministic mode's chunk grid (``AttentionSpec.split_size``; 0 in normal mode): an item longer than a
-    chunk folds its chunks' states itself, one by one (``scheduler.plan``'s ``lead_items``). In this mode a
-    row's bits must not depend on the tile it sits in.
-    The dots already do not: measured on the H200, ``q @ k^T`` and ``p @ v`` give the same bits per element
-    whether ``mma`` (16 rows) or ``wgmma`` (64 or 128 rows) computes them, on 1 to 8 warps. What does: a row sum
+    split_size: int = 0
+    """Deterministic mode's chunk size (``AttentionSpec.split_size``; 0 in normal mode): an item longer than a
+    chunk folds its chunks' states itself, one by one (``deterministic.py``, ``scheduler.plan``'s ``lead_items``).
+    In this mode a row's bits must not depend on the tile it sits in.
+    The dots already do not: on the H200, ``q @ k^T`` and ``p @ v`` give the same bits per element whether
+    ``mma`` (16 rows) or ``wgmma`` (64 or 128 rows) computes them, on 1 to 8 warps. What does: a row sum
     (``tl.sum``) split over warps, and where the compiler fuses a multiply with an add (it depends on the code
     around: a tile run with masks and the same tile without would round differently). So the softmax's
     running sum is taken on the tensor cores too (``p @ 1``, the weights ``p @ v`` uses) and the kernel compiles
@@ -288,8 +293,8 @@ class LaunchConfig:
 
     @property
     def deterministic(self) -> bool:
-        """Whether this is a deterministic launch (``grid`` > 0)."""
-        return self.grid > 0
+        """Whether this is a deterministic launch (``split_size`` > 0)."""
+        return self.split_size > 0
 
     @property
     def hidden_keys(self) -> bool:

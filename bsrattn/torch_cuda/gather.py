@@ -3,7 +3,7 @@
 Storage granularity is decoupled from compute granularity (the paper's point): the kernel's KV tile is a
 fixed ``BLOCK_N`` slots whatever the block size ``Bc`` of the layout (1 for ragged and vector-sparse, 16
 for a paged cache, anything else), because each slot's address is computed on its own, through the BSR
-indices (the sparse path) or by an affine formula (the dense path, for rows whose blocks are consecutive,
+indices (the sparse path) or by an affine formula (the affine path, for rows whose blocks are consecutive,
 chosen per row at run time).
 The head dimension stays contiguous and gives the coalescing, so both paths issue the same wide loads,
 which Triton pipelines into shared memory ahead of the ``tl.dot`` that consumes them.
@@ -54,35 +54,35 @@ def _split(slot, block_size, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def tile_blocks(kv_indices, row_block_start, row_first_slot, start, kv_end, block_size,
-                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, AFFINE_ROWS: tl.constexpr):
     """``[BLOCK_N]`` block ids of a row's logical KV slots ``start + arange(BLOCK_N)`` (0 past ``kv_end``).
 
-    ``kv_indices[row_block_start + i // Bc]`` (:func:`bsrattn.indexing.sparse_slot`). When ``DENSE_ROWS``, a
+    ``kv_indices[row_block_start + i // Bc]`` (:func:`bsrattn.indexing.sparse_slot`). When ``AFFINE_ROWS``, a
     row with ``row_first_slot >= 0`` (its blocks are consecutive) needs no ids: the load is predicated off.
     """
     i = start + tl.arange(0, BLOCK_N)
     end = kv_end
-    if DENSE_ROWS:
+    if AFFINE_ROWS:
         end = tl.where(row_first_slot < 0, kv_end, 0)
     return tl.load(kv_indices + row_block_start + _split(i, block_size, BLOCK_SIZE)[0], mask=i < end, other=0)
 
 
 @triton.jit
 def slot_offsets(blocks, row_first_slot, i,  # blocks, i: [BLOCK_N]
-                 stride_block, stride_slot, block_size, BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr):
+                 stride_block, stride_slot, block_size, BLOCK_SIZE: tl.constexpr, AFFINE_ROWS: tl.constexpr):
     """``[BLOCK_N]`` int64 element offsets of logical KV slots ``i`` of a row (before the head and dim terms).
 
-    Sparse path: pool slot ``blocks * Bc + i % Bc``, ``blocks`` from :func:`tile_blocks`. Dense path (only
-    when ``DENSE_ROWS``), for a row whose blocks are consecutive (``row_first_slot >= 0``): pool slot
-    ``row_first_slot + i`` (:func:`bsrattn.indexing.dense_slot`). The choice is per row, at run time.
+    Sparse path: pool slot ``blocks * Bc + i % Bc``, ``blocks`` from :func:`tile_blocks`. Affine path (only
+    when ``AFFINE_ROWS``), for a row whose blocks are consecutive (``row_first_slot >= 0``): pool slot
+    ``row_first_slot + i`` (:func:`bsrattn.indexing.affine_slot`). The choice is per row, at run time.
     """
     block = blocks
     within = _split(i, block_size, BLOCK_SIZE)[1]
-    if DENSE_ROWS:
-        dense = row_first_slot >= 0
-        dense_block, dense_within = _split(row_first_slot + i, block_size, BLOCK_SIZE)
-        block = tl.where(dense, dense_block, block)
-        within = tl.where(dense, dense_within, within)
+    if AFFINE_ROWS:
+        affine = row_first_slot >= 0
+        affine_block, affine_within = _split(row_first_slot + i, block_size, BLOCK_SIZE)
+        block = tl.where(affine, affine_block, block)
+        within = tl.where(affine, affine_within, within)
     return block.to(tl.int64) * stride_block + within.to(tl.int64) * stride_slot
 
 

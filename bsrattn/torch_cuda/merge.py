@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bsrattn.indexing import ceil_div
 from bsrattn.torch_cuda.config import block_d, interpreter_turn
 
 
@@ -37,44 +38,33 @@ def merge_pair(o_a, lse_a, o_b, lse_b):  # o_a, o_b [BLOCK_M, BLOCK_D] f32; lse_
 
 
 @triton.jit
-def fold_prior(prior_o, prior_lse, rows, head, valid, d, o, lse,  # rows, head, valid [BLOCK_M]; o [M, BLOCK_D]
-               num_heads, HEAD_DIM: tl.constexpr):
-    """``prior ⊕ (o, lse)`` for a tile's query rows ``rows`` of heads ``head``: ``prior_o [nnz_qo, num_heads,
-    HEAD_DIM]`` and ``prior_lse [nnz_qo, num_heads]`` (contiguous) hold an earlier level's state of the same
-    rows (a Cascade's levels, folded in level order as ``api._merge_levels`` folds them)."""
-    at = rows.to(tl.int64) * num_heads + head
-    o_prior = tl.load(prior_o + at[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None] & (d[None, :] < HEAD_DIM),
-                      other=0.0)
-    lse_prior = tl.load(prior_lse + at, mask=valid, other=float("-inf"))
-    return merge_pair(o_prior.to(tl.float32), lse_prior, o, lse)
-
-
-@triton.jit
 def _load_partial(part_o, part_lse, first_row, row, head, valid, d,  # row, head, valid [BLOCK_M]; d [BLOCK_D]
-                  stride_pn, stride_ph, stride_ln, stride_lh, HEAD_DIM: tl.constexpr):
+                  part_o_strides, part_lse_strides, HEAD_DIM: tl.constexpr):
     r = (first_row + row).to(tl.int64)
     # .cg: read through L2, where the other CTAs' partial states are; never a stale L1 line.
-    o = tl.load(part_o + r[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
+    o = tl.load(part_o + r[:, None] * part_o_strides[0] + head[:, None] * part_o_strides[1] + d[None, :],
                 mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
-    lse = tl.load(part_lse + r * stride_ln + head * stride_lh, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(part_lse + r * part_lse_strides[0] + head * part_lse_strides[1], mask=valid, other=float("-inf"),
+                  cache_modifier=".cg")
     return o, lse
 
 
 @triton.jit
 def fold_partials(part_o, part_lse, merge_partials, lo, hi, row, head, valid, d,  # row, head, valid [BLOCK_M]
-                  stride_pn, stride_ph, stride_ln, stride_lh, HEAD_DIM: tl.constexpr, SIGMOID: tl.constexpr):
+                  part_o_strides, part_lse_strides,  # (row, head) of part_o and of part_lse
+                  HEAD_DIM: tl.constexpr, SIGMOID: tl.constexpr):
     """Fold the partial states ``merge_partials[lo:hi]`` in that order: ⊕, or a sum for FlashSigmoid.
 
     Partial ``j`` of query row ``row`` (relative to the tile) and head ``head`` is workspace row
     ``merge_partials[j] + row`` (the reference executor's merge).
     """
     o, lse = _load_partial(part_o, part_lse, tl.load(merge_partials + lo), row, head, valid, d,
-                           stride_pn, stride_ph, stride_ln, stride_lh, HEAD_DIM)
+                           part_o_strides, part_lse_strides, HEAD_DIM)
     # Pipelined: the next partial state is in flight while this one is folded, so a merge of S states
     # costs about one L2 round trip, not S of them, on the critical path of the last CTA.
     for j in tl.range(lo + 1, hi, num_stages=2):
         o_b, lse_b = _load_partial(part_o, part_lse, tl.load(merge_partials + j), row, head, valid, d,
-                                   stride_pn, stride_ph, stride_ln, stride_lh, HEAD_DIM)
+                                   part_o_strides, part_lse_strides, HEAD_DIM)
         if SIGMOID:
             o = o + o_b
         else:
@@ -160,9 +150,9 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor):
     rows = n * num_heads
     if rows:
         with interpreter_turn():
-            _merge_states_kernel[(triton.cdiv(rows, BLOCK_R),)](o, lse, o_out, lse_out, num_states, num_heads, rows,
-                                                               HEAD_DIM=head_dim, BLOCK_R=BLOCK_R,
-                                                               BLOCK_D=block_d(head_dim), enable_fp_fusion=False)
+            _merge_states_kernel[(ceil_div(rows, BLOCK_R),)](o, lse, o_out, lse_out, num_states, num_heads, rows,
+                                                            HEAD_DIM=head_dim, BLOCK_R=BLOCK_R,
+                                                            BLOCK_D=block_d(head_dim), enable_fp_fusion=False)
     return o_out, lse_out
 
 
@@ -175,7 +165,7 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     rows = lse_out.numel()
     if rows:
         with interpreter_turn():
-            _merge_state_kernel[(triton.cdiv(rows, BLOCK_R),)](
+            _merge_state_kernel[(ceil_div(rows, BLOCK_R),)](
                 o_a.contiguous(), lse_a.contiguous(), o_b.contiguous(), lse_b.contiguous(), o_out, lse_out, rows,
                 HEAD_DIM=head_dim, BLOCK_R=BLOCK_R, BLOCK_D=block_d(head_dim), enable_fp_fusion=False)
     return o_out, lse_out
@@ -188,5 +178,5 @@ def add_states(o_a, o_b):
     out = torch.empty_like(a)
     if a.numel():
         with interpreter_turn():
-            _add_kernel[(triton.cdiv(a.numel(), ADD_BLOCK),)](a, b, out, a.numel(), BLOCK=ADD_BLOCK)
+            _add_kernel[(ceil_div(a.numel(), ADD_BLOCK),)](a, b, out, a.numel(), BLOCK=ADD_BLOCK)
     return out

@@ -20,6 +20,8 @@ Must match :mod:`bsrattn.reference.microkernel` (``rope``, ``scores``, ``attend`
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -32,8 +34,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 ORDERED_DOTS = tl.constexpr(interpreting())
 """Whether deterministic mode's dots are the products reduced over ``k`` (:func:`dot`): under the Triton
 interpreter, whose ``tl.dot`` is NumPy's ``matmul``. A BLAS may round a row of a product differently with the
-number of rows around it (on an AVX-512 host, 1400 of 1600 row slices of float32 products of tile shapes differed
-from the same rows of a taller product), where the tensor cores' dots do not (``LaunchConfig.deterministic``)."""
+number of rows around it (most rows did, on an AVX-512 host: ``benchmarks/NOTES.md``), where the tensor cores' dots
+do not (``LaunchConfig.split_size``)."""
 
 
 @triton.jit
@@ -174,132 +176,167 @@ def finish(acc, m_i, l_i, bad, v_scale, SIGMOID: tl.constexpr):
     return o, tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
 
 
+class QueryTile(NamedTuple):
+    """A query tile as the KV loop reads it: rows are (query row, head of the GQA group) pairs."""
+
+    q: object  # [BLOCK_M, BLOCK_D]; with fused RoPE the turned first halves [BLOCK_M, BLOCK_H] (rope_turn)
+    q2: object  # fused RoPE: the turned second halves; else q again, unused
+    pos: object  # [BLOCK_M] positions, non-decreasing along the tile
+    local: object  # [BLOCK_M] query rows within the block row (a custom mask's rows)
+    valid: object  # [BLOCK_M] rows in range
+    slopes: object  # [BLOCK_M] f32 ALiBi slopes (zeros without ALiBi)
+
+
+class KVRow(NamedTuple):
+    """A block row's keys and values for one KV head: where their slots are, and what hides them."""
+
+    k_head: object  # k's first element of the KV head (the storage view, gather.py)
+    v_head: object  # v's, likewise
+    k_strides: object  # (block, slot, head, dim) of k (gather.kv_strides)
+    v_strides: object  # likewise for v
+    kv_indices: object  # [nnz] i32 block ids
+    block_start: object  # kv_indptr of the row: its first entry of kv_indices
+    first_slot: object  # the affine path's first pool slot, or -1: the gathered path (gather.py)
+    block_size: object  # Bc, read where Tile.block_size is 0 (gather.block_size_constexpr)
+    kv_len: object  # the row's KV slots
+    mask_ptr: object  # [mask elements] u8, the custom mask
+    mask_start: object  # the row's first element of it
+    window_left: object  # the sliding window (with Switches.has_window)
+    rope_offset: object  # fused RoPE: the position of the row's first slot
+    rope_freq: object  # fused RoPE: [BLOCK_H] f32 frequencies
+
+
+class Tile(NamedTuple):
+    """The compile-time shape of the tile loop: sizes, load path, dot precision."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    block_d: int
+    block_h: int  # fused RoPE's half tile
+    block_size: int  # Bc when a power of two, else 0 (gather.block_size_constexpr)
+    affine_rows: bool  # whether the affine load path is compiled in (gather.py)
+    precision: str  # tl.dot's input precision
+
+
+class Switches(NamedTuple):
+    """The variant's compile-time switches."""
+
+    causal: bool
+    has_window: bool
+    soft_cap: bool
+    alibi: bool
+    sigmoid: bool
+    rope: bool
+    custom_mask: bool
+
+
 @triton.jit
-def attend_tile(acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
-                k_head, v_head, row_first_slot, block_size, kv_end, kv_len, mask_ptr, mask_start,
-                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                qk_scale, soft_cap, window_left, sigmoid_bias,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, MASKED: tl.constexpr, DROP_HIDDEN: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
-                SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PRECISION: tl.constexpr,
+def attend_tile(state, start, blocks, query, row, kv_end, scalars,  # state: (acc, m_i, l_i, bad); blocks [BLOCK_N]
+                TILE: tl.constexpr, VARIANT: tl.constexpr, MASKED: tl.constexpr, DROP_HIDDEN: tl.constexpr,
                 DETERMINISTIC: tl.constexpr):
     """The running state after the KV tile of slots ``start:start+BLOCK_N`` (``blocks``: its block ids, sparse path).
 
-    An unmasked tile (``MASKED`` false) is one the caller knows to lie inside the range and to be visible
-    whole to every query of the tile: no bounds, no position or custom mask are evaluated for it. A masked
-    tile with ``DROP_HIDDEN`` drops the hidden keys' non-finite values (:func:`drop_hidden`). With ``ROPE`` the
-    K tile is loaded in halves and turned at its slots' positions plus ``rope_offset`` (``q``, ``q2``: the turned
-    query halves).
+    ``state`` is ``(acc [BLOCK_M, BLOCK_D], m_i, l_i, bad [BLOCK_M])``, ``query`` a :class:`QueryTile`, ``row`` a
+    :class:`KVRow`, ``scalars`` the launch's :class:`~bsrattn.torch_cuda.config.Scalars`. An unmasked tile
+    (``MASKED`` false) is one the caller knows to lie inside the range and to be visible whole to every query of the
+    tile: no bounds, no position or custom mask are evaluated for it. A masked tile with ``DROP_HIDDEN`` drops the
+    hidden keys' non-finite values (:func:`drop_hidden`). With fused RoPE the K tile is loaded in halves and turned
+    at its slots' positions plus ``row.rope_offset`` (``query.q``, ``query.q2``: the turned query halves).
     """
-    d = tl.arange(0, BLOCK_D)
-    k_pos = start + tl.arange(0, BLOCK_N)
+    acc, m_i, l_i, bad = state
+    q = query.q
+    d = tl.arange(0, TILE.block_d)
+    k_pos = start + tl.arange(0, TILE.block_n)
     valid_n = k_pos < kv_end
-    k_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_kb, stride_ks, block_size, BLOCK_SIZE,
-                                DENSE_ROWS)
-    if ROPE:
-        half = tl.arange(0, BLOCK_H)
+    k_off = gather.slot_offsets(blocks, row.first_slot, k_pos, row.k_strides[0], row.k_strides[1], row.block_size,
+                                TILE.block_size, TILE.affine_rows)
+    stride_kd = row.k_strides[3]
+    if VARIANT.rope:
+        half = tl.arange(0, TILE.block_h)
         k, k2 = rope_turn(
-            gather.load_tile(k_head, k_off, valid_n, half, stride_kd, HEAD_DIM // 2, BLOCK_H, q.dtype, MASKED),
-            gather.load_tile(k_head + HEAD_DIM // 2 * stride_kd, k_off, valid_n, half, stride_kd, HEAD_DIM // 2,
-                             BLOCK_H, q.dtype, MASKED),
-            k_pos + rope_offset, rope_freq, q.dtype)
+            gather.load_tile(row.k_head, k_off, valid_n, half, stride_kd, TILE.head_dim // 2, TILE.block_h, q.dtype,
+                             MASKED),
+            gather.load_tile(row.k_head + TILE.head_dim // 2 * stride_kd, k_off, valid_n, half, stride_kd,
+                             TILE.head_dim // 2, TILE.block_h, q.dtype, MASKED),
+            k_pos + row.rope_offset, row.rope_freq, q.dtype)
     else:
-        k = gather.load_tile(k_head, k_off, valid_n, d, stride_kd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
+        k = gather.load_tile(row.k_head, k_off, valid_n, d, stride_kd, TILE.head_dim, TILE.block_d, q.dtype, MASKED)
         k2 = k
-    s = scores(q, k, q2, k2, q_pos, k_pos, slopes, qk_scale, soft_cap, SOFT_CAP, ALIBI, ROPE, PRECISION, DETERMINISTIC)
+    s = scores(q, k, query.q2, k2, query.pos, k_pos, query.slopes, scalars.qk_scale, scalars.soft_cap,
+               VARIANT.soft_cap, VARIANT.alibi, VARIANT.rope, TILE.precision, DETERMINISTIC)
     vis = valid_n[None, :]
     if MASKED:
-        vis = visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_ptr, mask_start,
-                      CAUSAL, HAS_WINDOW, CUSTOM_MASK)
-    v_off = gather.slot_offsets(blocks, row_first_slot, k_pos, stride_vb, stride_vs, block_size, BLOCK_SIZE,
-                                DENSE_ROWS)
-    v = gather.load_tile(v_head, v_off, valid_n, d, stride_vd, HEAD_DIM, BLOCK_D, q.dtype, MASKED)
+        vis = visible(query.pos, k_pos, query.valid, valid_n, query.local, row.kv_len, row.window_left, row.mask_ptr,
+                      row.mask_start, VARIANT.causal, VARIANT.has_window, VARIANT.custom_mask)
+    v_off = gather.slot_offsets(blocks, row.first_slot, k_pos, row.v_strides[0], row.v_strides[1], row.block_size,
+                                TILE.block_size, TILE.affine_rows)
+    v = gather.load_tile(row.v_head, v_off, valid_n, d, row.v_strides[3], TILE.head_dim, TILE.block_d, q.dtype, MASKED)
     if MASKED and DROP_HIDDEN:
         v, bad = drop_hidden(v, vis, bad)
-    if SIGMOID:
-        acc = sigmoid_update(acc, s, vis, sigmoid_bias, v, MASKED, PRECISION)
+    if VARIANT.sigmoid:
+        acc = sigmoid_update(acc, s, vis, scalars.sigmoid_bias, v, MASKED, TILE.precision)
     else:
-        acc, m_i, l_i = softmax_update(acc, m_i, l_i, s, vis, v, MASKED, PRECISION, DETERMINISTIC)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, s, vis, v, MASKED, TILE.precision, DETERMINISTIC)
     return acc, m_i, l_i, bad
 
 
 @triton.jit
-def attend_range(q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,  # q [BLOCK_M, BLOCK_D]; q_pos [M]
-                 k_head, v_head, kv_indices, row_block_start, row_first_slot, block_size, kv_start, kv_end, kv_len,
-                 mask_ptr, mask_start,
-                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                 qk_scale, v_scale, soft_cap, window_left, sigmoid_bias,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, DENSE_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SIGMOID: tl.constexpr,
-                 ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PRECISION: tl.constexpr, DETERMINISTIC: tl.constexpr,
-                 DROP_HIDDEN: tl.constexpr):
+def _tiles(state, blocks, lo, hi, kv_end, query, row, scalars,  # state and blocks as attend_tile's
+           TILE: tl.constexpr, VARIANT: tl.constexpr, MASKED: tl.constexpr, DROP_HIDDEN: tl.constexpr,
+           DETERMINISTIC: tl.constexpr):
+    """``(state, blocks)`` after the tiles from ``lo`` to ``hi`` of a range that ends at ``kv_end``: each tile's block
+    ids are loaded a tile ahead, so no K/V copy waits on an index load of its own iteration and the pipeliner keeps
+    ``num_stages - 1`` tiles in flight."""
+    for start in range(lo, hi, TILE.block_n):
+        ahead = gather.tile_blocks(row.kv_indices, row.block_start, row.first_slot, start + TILE.block_n, kv_end,
+                                   row.block_size, TILE.block_n, TILE.block_size, TILE.affine_rows)
+        state = attend_tile(state, start, blocks, query, row, kv_end, scalars, TILE, VARIANT, MASKED, DROP_HIDDEN,
+                            DETERMINISTIC)
+        blocks = ahead
+    return state, blocks
+
+
+@triton.jit
+def attend_range(query, row, kv_start, kv_end, scalars,  # query: QueryTile; row: KVRow; scalars: config.Scalars
+                 TILE: tl.constexpr, VARIANT: tl.constexpr, DETERMINISTIC: tl.constexpr, DROP_HIDDEN: tl.constexpr):
     """State of a query tile over the row's logical KV slots ``kv_start:kv_end`` (reference ``attend_range``).
 
-    With ``ROPE``, ``q`` and ``q2`` are the tile's turned query halves ``[BLOCK_M, BLOCK_H]`` (:func:`rope_turn`),
-    ``rope_freq [BLOCK_H]`` the frequencies and ``rope_offset`` the position of the row's first slot; without,
-    ``q`` is the tile and ``q2`` unused.
+    ``query`` is a :class:`QueryTile`, ``row`` a :class:`KVRow`; ``TILE`` (a :class:`Tile`) and ``VARIANT`` (a
+    :class:`Switches`) are compile-time. ``DROP_HIDDEN`` drops hidden keys' non-finite values in the masked tiles
+    (:func:`drop_hidden`): the executor's second launch does, for the tiles the first one found non-finite.
 
-    ``DROP_HIDDEN`` drops hidden keys' non-finite values in the masked tiles (:func:`drop_hidden`): the
-    executor's second launch does, for the tiles the first one found non-finite.
-
-    ``k_head``/``v_head`` point at the KV head's first element; ``q_pos`` is non-decreasing along the tile;
-    ``row_first_slot >= 0`` takes the dense load path when ``DENSE_ROWS`` (see :mod:`~bsrattn.torch_cuda.gather`).
-    Under a causal mask (without a window or a custom mask), the whole tiles before the tile's first query
-    position run without masks, as FlashAttention's do, and the rest of the range runs masked. Elsewhere every
-    tile runs masked: the masks are then only the range's bounds, and a second loop would cost the kernel
-    registers (measured: decode spills at 3 pipeline stages with it). Returns ``(o, lse)`` as :func:`finish`.
+    ``row.first_slot >= 0`` takes the affine load path when ``TILE.affine_rows`` (see
+    :mod:`~bsrattn.torch_cuda.gather`). Under a causal mask (without a window or a custom mask), the whole tiles
+    before the tile's first query position run without masks, as FlashAttention's do, and the rest of the range runs
+    masked. Elsewhere every tile runs masked: the masks are then only the range's bounds, and a second loop would
+    cost the kernel registers (decode spills at 3 pipeline stages with it). Returns ``(o, lse)`` as :func:`finish`.
     """
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    bad = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # Sparse path: a tile's block ids are loaded one tile ahead, so no K/V copy waits on an index load of
-    # its own iteration and the pipeliner keeps num_stages - 1 tiles in flight.
-    blocks = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, kv_start, kv_end, block_size, BLOCK_N,
-                                BLOCK_SIZE, DENSE_ROWS)
+    state = (tl.zeros([TILE.block_m, TILE.block_d], dtype=tl.float32),
+             tl.full([TILE.block_m], float("-inf"), dtype=tl.float32), tl.zeros([TILE.block_m], dtype=tl.float32),
+             tl.zeros([TILE.block_m], dtype=tl.float32))
+    blocks = gather.tile_blocks(row.kv_indices, row.block_start, row.first_slot, kv_start, kv_end, row.block_size,
+                                TILE.block_n, TILE.block_size, TILE.affine_rows)
     mid = kv_start
-    if CAUSAL and not (HAS_WINDOW or CUSTOM_MASK):
+    if VARIANT.causal and not (VARIANT.has_window or VARIANT.custom_mask):
         # Tiles wholly below the diagonal (before the tile's first query position) need no mask.
-        mid = kv_start + tl.maximum(tl.minimum(kv_end, tl.min(q_pos, 0) + 1) - kv_start, 0) // BLOCK_N * BLOCK_N
-        for start in range(kv_start, mid, BLOCK_N):
-            ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end,
-                                       block_size, BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
-            acc, m_i, l_i, bad = attend_tile(
-                acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
-                k_head, v_head, row_first_slot, block_size, kv_end, kv_len, mask_ptr, mask_start, stride_kb,
-                stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias,
-                MASKED=False,
-                DROP_HIDDEN=False,
-                HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
-                DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
-                SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
-                DETERMINISTIC=DETERMINISTIC)
-            blocks = ahead
-    for start in range(mid, kv_end, BLOCK_N):
-        ahead = gather.tile_blocks(kv_indices, row_block_start, row_first_slot, start + BLOCK_N, kv_end, block_size,
-                                   BLOCK_N, BLOCK_SIZE, DENSE_ROWS)
-        acc, m_i, l_i, bad = attend_tile(
-            acc, m_i, l_i, bad, start, blocks, q, q2, q_pos, q_local, valid_m, slopes, rope_freq, rope_offset,
-            k_head, v_head, row_first_slot, block_size, kv_end, kv_len, mask_ptr, mask_start, stride_kb, stride_ks,
-            stride_kd, stride_vb, stride_vs, stride_vd, qk_scale, soft_cap, window_left, sigmoid_bias, MASKED=True,
-            DROP_HIDDEN=DROP_HIDDEN,
-            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
-            DENSE_ROWS=DENSE_ROWS, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW, SOFT_CAP=SOFT_CAP, ALIBI=ALIBI,
-            SIGMOID=SIGMOID, ROPE=ROPE, CUSTOM_MASK=CUSTOM_MASK, PRECISION=PRECISION,
-            DETERMINISTIC=DETERMINISTIC)
-        blocks = ahead
-    return finish(acc, m_i, l_i, bad, v_scale, SIGMOID)
+        mid = kv_start + tl.maximum(tl.minimum(kv_end, tl.min(query.pos, 0) + 1) - kv_start, 0) // TILE.block_n * \
+            TILE.block_n
+        state, blocks = _tiles(state, blocks, kv_start, mid, kv_end, query, row, scalars, TILE, VARIANT, False, False,
+                               DETERMINISTIC)
+    state, blocks = _tiles(state, blocks, mid, kv_end, kv_end, query, row, scalars, TILE, VARIANT, True, DROP_HIDDEN,
+                           DETERMINISTIC)
+    acc, m_i, l_i, bad = state
+    return finish(acc, m_i, l_i, bad, scalars.v_scale, VARIANT.sigmoid)
 
 
 @triton.jit
 def store_state(o_ptr, lse_ptr, rows, head, valid, d, o, lse,  # rows, head, valid [BLOCK_M]; o [BLOCK_M, BLOCK_D]
-                stride_on, stride_oh, stride_od, stride_ln, stride_lh,
+                o_strides, lse_strides,  # (row, head, dim) of o_ptr's rows; (row, head) of lse_ptr's
                 HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
     """``o`` and ``lse`` of a tile's rows written to query rows ``rows`` of heads ``head`` (``valid`` rows only)."""
     r = rows.to(tl.int64)
-    tl.store(o_ptr + r[:, None] * stride_on + head[:, None] * stride_oh + d[None, :] * stride_od,
+    tl.store(o_ptr + r[:, None] * o_strides[0] + head[:, None] * o_strides[1] + d[None, :] * o_strides[2],
              o.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))
     if STORE_LSE:
-        tl.store(lse_ptr + r * stride_ln + head * stride_lh, lse, mask=valid)
+        tl.store(lse_ptr + r * lse_strides[0] + head * lse_strides[1], lse, mask=valid)

@@ -5,7 +5,7 @@ fullgraph=True)`` traces a function calling them without a graph break and witho
 
 | op | what it does |
 |---|---|
-| ``bsrattn::attention_run`` | the persistent kernel over a plan's buffers, an earlier level's state folded in or not; writes ``out``/``lse`` (and the workspace) in place |
+| ``bsrattn::attention_run`` | a plan's attention launches over its buffers, an earlier level's state folded in or not; writes ``out``/``lse`` (and the workspace) in place |
 | ``bsrattn::merge_state`` | ``(o_a, lse_a) ⊕ (o_b, lse_b)`` |
 | ``bsrattn::merge_states`` | fold ``[n, S, H, D]`` states over ``S`` in order |
 | ``bsrattn::add_states`` | ``o_a + o_b`` (FlashSigmoid's merge) |
@@ -19,35 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from bsrattn.items import ITEM_STRIDE
-from bsrattn.torch_cuda import executor, merge
+from bsrattn.torch_cuda import launch, merge
 from bsrattn.torch_cuda.config import LaunchConfig, Scalars
-from bsrattn.torch_cuda.plan_buffers import SECTIONS
+from bsrattn.torch_cuda.plan_buffers import SECTIONS, PlanSections
 
 
-class _BufferView:
-    """The :class:`~bsrattn.torch_cuda.plan_buffers.PlanBuffers` interface the executor reads, from op arguments."""
+class _BufferView(PlanSections):
+    """The :class:`~bsrattn.torch_cuda.plan_buffers.PlanBuffers` a launch reads, from the op's arguments."""
 
     def __init__(self, plan, mask, part_o, part_lse, sync, sections):
         self.plan, self.mask, self.part_o, self.part_lse, self.sync = plan, mask, part_o, part_lse, sync
         self.merge_rows = sections[-1]
         self.offsets = {name: (sections[2 * i], sections[2 * i + 1]) for i, name in enumerate(SECTIONS)}
-
-    @property
-    def item_capacity(self):
-        return self.offsets["items"][1] // ITEM_STRIDE
-
-    def section(self, name):
-        at, size = self.offsets[name]
-        return self.plan[at:at + max(size, 1)]
-
-    @property
-    def alibi(self):
-        return self.section("alibi").view(torch.float32)
-
-    @property
-    def rope(self):
-        return self.section("rope").view(torch.float32)
 
 
 @torch.library.custom_op("bsrattn::attention_run", mutates_args=("out", "lse", "part_o", "part_lse", "sync"))
@@ -55,11 +38,10 @@ def attention_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   prior_o: torch.Tensor, prior_lse: torch.Tensor, plan: torch.Tensor, mask: torch.Tensor,
                   part_o: torch.Tensor, part_lse: torch.Tensor, sync: torch.Tensor, sections: list[int],
                   config: list[int], scalars: list[float]) -> None:
-    """Run the persistent attention kernel; ``out [nnz_qo, Hq, D]`` and ``lse [nnz_qo, Hq]`` are written in place,
-    ``(prior_o, prior_lse)`` folded into them first where the configuration's ``prior`` says so."""
+    """Run a plan's attention launches (``executor.passes``); ``out [nnz_qo, Hq, D]`` and ``lse [nnz_qo, Hq]`` are
+    written in place, ``(prior_o, prior_lse)`` folded into them first where the configuration's ``prior`` says so."""
     buffers = _BufferView(plan, mask, part_o, part_lse, sync, sections)
-    executor.launch(q, k, v, out, lse, prior_o, prior_lse, buffers, LaunchConfig.from_list(config),
-                    Scalars(*scalars))
+    launch.launch(q, k, v, out, lse, prior_o, prior_lse, buffers, LaunchConfig.from_list(config), Scalars(*scalars))
 
 
 @attention_run.register_fake

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from bsrattn.compiled import Compiled
+from bsrattn.indexing import ceil_div
 from bsrattn.items import ITEM_STRIDE, first_slots, mask_starts, pack_items
 from bsrattn.torch_cuda.config import next_pow2
 from bsrattn.torch_cuda.arrays import canonical_device
@@ -134,9 +135,9 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
           rope_offsets):  # [R] int64, RoPE's positions of the rows' first slots ([0] without RoPE: zeros)
     """Write every plan section into ``out`` in one pass, with explicit loops (compiled by Numba when present).
 
-    The item rows are :func:`bsrattn.items.pack_items`'s, in CTA order. A row's dense path
+    The item rows are :func:`bsrattn.items.pack_items`'s, in CTA order. A row's affine path
     (:func:`~bsrattn.items.first_slots`) is chosen per row and read at run time, so a captured CUDA graph
-    stays valid whichever rows a later plan makes dense. Returns whether some row is.
+    stays valid whichever rows a later plan makes affine. Returns whether some row is.
     """
     _put(out, cta_at, cta_indptr)
     _put(out, merge_at, merge_partials)
@@ -144,12 +145,12 @@ def _pack(out,  # [plan elements] int32: the host staging of the plan sections
     _put(out, rope_at, rope_bits)
     _put(out, rope_q_at, rope_q)
     _put(out, kv_at, kv_indices)
-    any_dense = first_slots(first_slot, kv_indptr, kv_indices, block_size)
+    any_affine = first_slots(first_slot, kv_indptr, kv_indices, block_size)
     num_items = item_row.size
     pack_items(out[items_at:items_at + num_items * ITEM_STRIDE].reshape((num_items, ITEM_STRIDE)), item_row,
                item_qo_start, item_qo_end, item_kv_start, item_kv_end, item_partial, merge_indptr, merge_partials,
                num_partial_rows, qo_indptr, kv_indptr, kv_lens, mask_indptr, first_slot, rope_offsets)
-    return any_dense
+    return any_affine
 
 
 _packer = Compiled(_pack, _put, first_slots, pack_items)
@@ -176,7 +177,33 @@ class _Ordered:
         self.buffers._turn.release()
 
 
-class PlanBuffers:
+class PlanSections:
+    """The plan's sections as the kernels take them, read through ``plan`` (the int32 buffer), ``offsets`` (name ->
+    ``(offset, size)``, :data:`SECTIONS`): :class:`PlanBuffers`' accessors, and the custom op's view of its
+    arguments (``ops.py``)."""
+
+    plan: torch.Tensor
+    offsets: dict
+
+    def section(self, name: str) -> torch.Tensor:
+        at, size = self.offsets[name]
+        return self.plan[at:at + max(size, 1)]
+
+    @property
+    def item_capacity(self) -> int:
+        """Work items the buffers hold (the item kernel's launch grid, ``item_kernel.py``)."""
+        return self.offsets["items"][1] // ITEM_STRIDE
+
+    @property
+    def alibi(self) -> torch.Tensor:
+        return self.section("alibi").view(torch.float32)
+
+    @property
+    def rope(self) -> torch.Tensor:
+        return self.section("rope").view(torch.float32)
+
+
+class PlanBuffers(PlanSections):
     """The plan arrays, custom mask, partial-state workspace and merge counters of one runner, on ``device``.
 
     ``part_o [partial_rows, num_qo_heads, head_dim]`` and ``part_lse [partial_rows, num_qo_heads]`` (float32)
@@ -199,7 +226,7 @@ class PlanBuffers:
         at = 0
         for name, size in capacity.section_sizes(num_qo_heads, head_dim).items():
             self.offsets[name] = (at, size)
-            at += -(-max(size, 1) // _ALIGN) * _ALIGN
+            at += ceil_div(max(size, 1), _ALIGN) * _ALIGN
         # Flat (offset, size) pairs in SECTIONS order, then the merge rows of ``sync``: the form the attention
         # op takes them in.
         pairs = [x for name in SECTIONS for x in self.offsets[name]]
@@ -229,9 +256,9 @@ class PlanBuffers:
                                 device=device)
         # Stands in for lse when the caller wants none: a launch always gets a tensor there.
         self.no_lse = torch.empty((1, 1), dtype=torch.float32, device=device)
-        # Stands in for the prior state of a call that folds none (executor.call_args).
+        # Stands in for the prior state of a call that folds none (prior.prior_state).
         self.no_prior = torch.empty((1, 1), dtype=torch.float32, device=device)
-        self.launches = {}  # LaunchConfig -> the executor's Launch bound to these buffers (runner.py)
+        self.launches = {}  # LaunchConfig -> the launch.Launch bound to these buffers (runner.py)
         self.captured = False  # whether a CUDA graph capture has launched on these buffers (runner.py)
         self.captured_without_merges = False  # whether such a launch's kernel carried no merges (runner.py)
         self._turn = threading.Lock()
@@ -269,33 +296,11 @@ class PlanBuffers:
         return self._copied is None or self._copied.query()
 
     @property
-    def item_capacity(self) -> int:
-        """Work items the buffers hold (the item kernel's grid, ``prefill.py``)."""
-        return self.capacity.items
-
-    @property
     def workspace_bytes(self) -> int:
         return (self.part_o.numel() + self.part_lse.numel()) * 4
 
-    def prior_state(self, prior) -> tuple:
-        """``(prior_o, prior_lse)`` as a launch takes them: ``prior``, or ``no_prior`` twice for a call that folds
-        none (:func:`~bsrattn.torch_cuda.executor.call_args`)."""
-        return (self.no_prior, self.no_prior) if prior is None else prior
-
-    def section(self, name: str) -> torch.Tensor:
-        at, size = self.offsets[name]
-        return self.plan[at:at + max(size, 1)]
-
     def fits(self, need: Capacity, num_qo_heads, num_kv_heads, head_dim, device) -> bool:
         return self.shape_key == (num_qo_heads, num_kv_heads, head_dim, device) and self.capacity.fits(need)
-
-    @property
-    def alibi(self) -> torch.Tensor:
-        return self.section("alibi").view(torch.float32)
-
-    @property
-    def rope(self) -> torch.Tensor:
-        return self.section("rope").view(torch.float32)
 
     def used_bytes(self, layout) -> tuple:
         """``(plan, mask)``: the bytes of the plan region and of the mask region that a plan over ``layout`` uses.
@@ -308,7 +313,7 @@ class PlanBuffers:
 
     def fill(self, work_plan, layout, alibi_slopes=None, rope_freqs=None, rope_positions=None) -> bool:
         """Write ``work_plan``, ``layout``'s arrays, the ALiBi slopes, the RoPE frequencies and positions
-        (``AttentionSpec.rope_frame``'s pair) in place; whether some row is dense.
+        (``AttentionSpec.rope_frame``'s pair) in place; whether some row is affine.
 
         One compiled pass (:func:`_pack`) writes every section into the host staging; the bytes the plan
         uses (:meth:`used_bytes`) then go to the device in one asynchronous copy (two with a custom mask).
@@ -317,7 +322,7 @@ class PlanBuffers:
         if self._copied is not None:
             self._copied.synchronize()  # the previous refill's copy must have left the staging buffer
         wp = work_plan
-        any_dense = _packer(
+        any_affine = _packer(
             self._host_plan, *self._section_at, np.empty(layout.num_rows, dtype=np.int64), wp.cta_indptr,
             wp.item_row, wp.item_qo_start, wp.item_qo_end,
             wp.item_kv_start, wp.item_kv_end, wp.item_partial, wp.merge_indptr, wp.merge_partials,
@@ -334,4 +339,4 @@ class PlanBuffers:
                 self.raw[at:at + mask_bytes].copy_(self.staging[at:at + mask_bytes], non_blocking=True)
             if self._copied is not None:
                 self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copies went to
-        return bool(any_dense)
+        return bool(any_affine)

@@ -1,14 +1,14 @@
-"""A plan bound to persistent device buffers: ``run`` is one launch of a fixed grid, capturable in a CUDA graph.
+"""A plan bound to persistent device buffers: ``run`` is one launch of a fixed launch grid, capturable in a CUDA graph.
 
 ``make_runner(spec, work_plan, previous)`` writes the plan into device buffers — ``previous``'s, in place,
-when they are large enough — so a CUDA graph captured around ``run`` replays the new plan: the grid
+when they are large enough — so a CUDA graph captured around ``run`` replays the new plan: the launch grid
 (``num_ctas x num_kv_heads``), the buffer addresses, the workspace offsets and every scalar argument stay
 the same. What a graph does record, and what must therefore not change between the plans it replays:
 the launch configuration (:class:`~bsrattn.torch_cuda.config.LaunchConfig`: tile sizes from ``tile_q``,
 the variant, dtypes, the KV view) and the tensors passed to ``run``. A re-plan over buffers that a launch
 inside a graph capture used warns when it changes the variant, the block size or whether a custom mask is
 read, or splits rows when the captured kernel carries no merges (``LaunchConfig.merges``; a plan for another
-grid never fits the buffers: it gets new ones, and a warning too); tile shapes may change, since the kernel
+launch grid never fits the buffers: it gets new ones, and a warning too); tile shapes may change, since the kernel
 runs any plan of its buffers correctly with any. ``run`` allocates nothing but the
 outputs it is not given, and never synchronises with the host. The refill is an asynchronous copy on the
 current stream at ``plan`` time: run on that stream (or order the two), as with any stream-ordered write.
@@ -19,18 +19,18 @@ flags at zero as it found them (``executor.py``), so none depends on what an ear
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import numpy as np
 import torch
 
-from bsrattn import scheduler
-from bsrattn.torch_cuda import config as cfg
-from bsrattn.torch_cuda import executor
-from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
 from bsrattn.torch_cuda.arrays import SUPPORTED, TORCH_DTYPES, canonical_device, check_device, check_interpretable, \
-    default_device, device_of, to_numpy, to_torch, write_back
+    default_device, to_numpy, to_torch, write_back
+from bsrattn.torch_cuda import config
+from bsrattn.torch_cuda.config import LaunchConfig, Scalars, block_d, block_m, causal_hides_keys, num_sms
+from bsrattn.torch_cuda.launch import Launch
+from bsrattn.torch_cuda.plan_buffers import Capacity, PlanBuffers
+from bsrattn.torch_cuda.prior import prior_state, prior_tensors
 from bsrattn.validation import dtype_name
 
 
@@ -82,9 +82,9 @@ class Runner:
                 warnings.warn(f"a CUDA graph was captured on these buffers, and the new plan changes what it "
                               f"recorded ({', '.join(changed)}); its replays would run the old plan's launch on "
                               f"the new plan's buffers, so recapture it", RuntimeWarning, stacklevel=3)
-        # The kernel carries the dense load path only for a plan with affine rows (LaunchConfig.dense_rows).
+        # The kernel carries the affine load path only for a plan with affine rows (LaunchConfig.affine_rows).
         with buffers.ordered():
-            self.dense_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes,
+            self.affine_rows = buffers.fill(work_plan, spec.layout, spec.variant.alibi_slopes,
                                            spec.variant.rope_frequencies(spec.head_dim) if rope else None,
                                            spec.rope_frame() if rope else None)
         self.spec = spec
@@ -92,40 +92,41 @@ class Runner:
         self.device = device
         self.buffers = buffers
         self._configs = {}  # (q dtype, kv view, store lse) -> LaunchConfig
-        self._launches = {}  # the same keys -> executor.Launch
-        self._unit_scales = cfg.Scalars(spec.sm_scale, 1.0, float(spec.variant.logits_soft_cap),
+        self._launches = {}  # the same keys -> launch.Launch
+        self._unit_scales = Scalars(spec.sm_scale, 1.0, float(spec.variant.logits_soft_cap),
                                         float(spec.variant.sigmoid_bias or 0.0))
 
-    def launch_config(self, q_dtype: str, kv_view: str, store_lse: bool, prior: bool = False) -> cfg.LaunchConfig:
+    def launch_config(self, q_dtype: str, kv_view: str, store_lse: bool, prior: bool = False) -> LaunchConfig:
         """The launch configuration for inputs of ``q_dtype`` stored as ``kv_view``, folding a prior state or not."""
         key = (q_dtype, kv_view, store_lse, prior)
         if key not in self._configs:
             spec, variant = self.spec, self.spec.variant
             busy = int(np.count_nonzero(np.diff(self.work_plan.cta_indptr))) * spec.num_kv_heads  # programs with work
-            t = cfg.tiles(cfg.block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype,
-                          few_items=busy < cfg.num_sms(self.device))
-            self._configs[key] = cfg.LaunchConfig(
+            # Through the module: benchmarks/tune.py sweeps its choices.
+            t = config.tiles(block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype,
+                             few_items=busy < num_sms(self.device))
+            self._configs[key] = LaunchConfig(
                 num_ctas=self.work_plan.num_ctas, num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
                 head_dim=spec.head_dim, block_size=spec.layout.block_size, block_m=t.block_m, block_n=t.block_n,
-                block_d=cfg.block_d(spec.head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
-                kv_view=kv_view, causal=cfg.causal_hides_keys(spec), window_left=variant.window_left,
+                block_d=block_d(spec.head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
+                kv_view=kv_view, causal=causal_hides_keys(spec), window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
                 sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
-                store_lse=store_lse, dense_rows=self.dense_rows,
+                store_lse=store_lse, affine_rows=self.affine_rows,
                 merges=self.work_plan.num_merges > 0 or spec.split_size is not None,
-                prefill=cfg.prefill_kernel(spec, self.work_plan, q_dtype, self.dense_rows), grid=spec.split_size or 0,
-                prior=prior)
+                item_kernel=config.item_kernel_for(spec, self.work_plan, q_dtype, self.affine_rows),
+                split_size=spec.split_size or 0, prior=prior)
         return self._configs[key]
 
-    def _launch(self, key) -> executor.Launch:
+    def _launch(self, key) -> Launch:
         """The eager launch of configuration ``key`` (as :meth:`launch_config` takes it) over this runner's
         buffers: one per configuration, kept with the buffers, so that later plans refilled into them find it."""
         launch = self._launches.get(key)
         if launch is None:
-            config = self.launch_config(*key)
-            launch = self.buffers.launches.get(config)
+            settings = self.launch_config(*key)
+            launch = self.buffers.launches.get(settings)
             if launch is None:
-                launch = self.buffers.launches[config] = executor.Launch(self.buffers, config)
+                launch = self.buffers.launches[settings] = Launch(self.buffers, settings)
             self._launches[key] = launch
         return launch
 
@@ -137,14 +138,14 @@ class Runner:
         ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` of the same query rows (an earlier Cascade level's), is folded
         in by the kernel: the result is ``prior ⊕`` this plan's state, as ``merge_state`` would give it, with no
         launch of its own. Called eagerly, the kernel is launched through the buffers'
-        :class:`~bsrattn.torch_cuda.executor.Launch`; traced by ``torch.compile``, through the custom op
+        :class:`~bsrattn.torch_cuda.launch.Launch`; traced by ``torch.compile``, through the custom op
         (:mod:`bsrattn.torch_cuda.ops`).
         """
         as_numpy = not isinstance(q, torch.Tensor)
         q_t, k_t, v_t = to_torch("q", q, self.device), to_torch("k", k, self.device), to_torch("v", v, self.device)
         key, scalars, want_lse = self._prepare(q_t, k_t, out, lse, return_lse, k_scale, v_scale, prior is not None)
         if prior is not None:
-            prior = self._prior(prior, q_t.shape)
+            prior = prior_tensors(prior, q_t.shape, self.device)
         out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
         lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
         self._launch_on(key, q_t, k_t, v_t, out_t, lse_t, scalars, prior)
@@ -206,25 +207,12 @@ class Runner:
                                        v_scale=1.0 if v_scale is None else float(v_scale))
         return (q_dtype, spec.kv_view_of(k_t), want_lse, prior), scalars, want_lse
 
-    def _prior(self, prior, shape) -> tuple:
-        """``run``'s ``prior`` as the kernel reads it: contiguous tensors on this runner's device, ``o`` of the
-        queries' shape and ``lse`` float32 of their rows x heads."""
-        if not isinstance(prior, tuple) or len(prior) != 2:
-            raise TypeError(f"prior must be a state (o, lse), got {type(prior).__name__}")
-        o, s = to_torch("prior o", prior[0], self.device), to_torch("prior lse", prior[1], self.device)
-        if tuple(o.shape) != tuple(shape) or tuple(s.shape) != tuple(shape[:2]):
-            raise ValueError(f"prior must be o {tuple(shape)} and lse {tuple(shape[:2])} (the queries' rows and "
-                             f"heads), got {tuple(o.shape)} and {tuple(s.shape)}")
-        if not o.is_floating_point():
-            raise TypeError(f"prior o has dtype {dtype_name(o)}; a state's o is floating point")
-        return o.contiguous(), s.to(torch.float32).contiguous()
-
     def _launch_on(self, key, q, k, v, out, lse, scalars, prior=None):
         """Launch configuration ``key`` (as :meth:`_prepare` gives it) on the call's tensors, or put the custom op
         in the graph that ``torch.compile`` traces."""
         b = self.buffers
         lse_arg = b.no_lse if lse is None else lse
-        prior_o, prior_lse = b.prior_state(prior)
+        prior_o, prior_lse = prior_state(b, prior)
         if torch.compiler.is_compiling():  # traced: the compiled graph orders its launches
             torch.ops.bsrattn.attention_run(q, k, v, out, lse_arg, prior_o, prior_lse, b.plan, b.mask, b.part_o,
                                             b.part_lse, b.sync, b.sections, self.launch_config(*key).to_list(),
@@ -252,21 +240,6 @@ class Runner:
         return given
 
 
-_RECORDED = ("block_size", "whether a custom mask is read", "the score scale", "the causal mask", "the window",
-             "the soft cap", "whether ALiBi is on", "the sigmoid bias", "the sinks", "whether RoPE is on")
-
-
-def _recorded(spec) -> tuple:
-    """What a CUDA graph captured around :meth:`Runner.run` records of a plan, beyond the buffers' contents that
-    a re-plan refills (:data:`_RECORDED` names them): the kernel's compile-time switches and scalar arguments.
-    (The grid is the buffers' own: a plan for another ``num_ctas`` never fits them.) Tile shapes and warps may
-    change: the kernel runs any plan of the buffers correctly with any."""
-    variant = spec.variant
-    return (spec.layout.block_size, spec.layout.custom_mask is not None, spec.sm_scale,
-            cfg.causal_hides_keys(spec), variant.window_left, variant.logits_soft_cap, variant.alibi_slopes is not None,
-            variant.sigmoid_bias, variant.sinks, variant.use_rope)
-
-
 def make_runner(spec, work_plan, previous=None) -> Runner:
     """Bind ``work_plan`` to device buffers, reusing ``previous``'s in place when they fit (CUDA graphs)."""
     previous = previous if isinstance(previous, Runner) else None
@@ -274,74 +247,18 @@ def make_runner(spec, work_plan, previous=None) -> Runner:
     return Runner(spec, work_plan, device, previous)
 
 
-SPARES_PER_SHAPE = 4
-"""Buffers of finished one-shot calls kept per (heads, head_dim, device), for the next calls to refill."""
-SPARE_WORKSPACE_BYTES = 256 * 2**20
-"""At most this much partial-state workspace is kept in spares per (heads, head_dim, device); the oldest go."""
-_spares = {}  # PlanBuffers.shape_key -> [PlanBuffers], most recently used last
-_spares_turn = threading.Lock()
+# ---- CUDA graphs: what a capture recorded, which a re-plan over its buffers must keep (Runner's warning) ----
+
+_RECORDED = ("block_size", "whether a custom mask is read", "the score scale", "the causal mask", "the window",
+             "the soft cap", "whether ALiBi is on", "the sigmoid bias", "the sinks", "whether RoPE is on")
 
 
-def _take_spare(need, shape_key):
-    """An idle spare of ``shape_key`` that ``need`` fits, taken out of the pool (so no other call refills it)."""
-    with _spares_turn:
-        spares = _spares.get(shape_key, [])
-        for i in range(len(spares) - 1, -1, -1):
-            if spares[i].capacity.fits(need) and spares[i].idle():
-                return spares.pop(i)
-    return None
-
-
-def _give_back(buffers):
-    with _spares_turn:
-        spares = _spares.setdefault(buffers.shape_key, [])
-        spares.append(buffers)
-        del spares[:-SPARES_PER_SHAPE]
-        while spares and sum(b.workspace_bytes for b in spares) > SPARE_WORKSPACE_BYTES:
-            del spares[0]  # back to the allocator
-
-
-_kept = {}  # PlanBuffers.shape_key -> the Runner of the last one-shot call, for a next call of the same spec
-
-
-def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None, prior=None):
-    """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once (``prior``: a
-    state folded in, as :meth:`Runner.run` takes it).
-
-    The runner of the last call of the same heads, head_dim and device is kept: a call of the same spec (the
-    same layout object, heads, variant, dtypes and view, as a model's layers make with one layout in a step)
-    runs its plan again without planning; layouts are immutable, so the plan is still theirs. Otherwise the plan
-    goes into the buffers of an earlier call when one is idle (its plan's copy to the device has finished) and
-    large enough: allocating them and binding their launch cost more host time than a small decode. Two calls
-    at once never share a runner or buffers; under CUDA graph capture every call gets buffers of its own, kept
-    by nobody else (a captured graph reads them at replay). The spares stay allocated: at most
-    :data:`SPARES_PER_SHAPE` sets holding :data:`SPARE_WORKSPACE_BYTES` of workspace per (heads, head_dim,
-    device), and the kept runner's.
-    """
-    device = canonical_device(device_of(q, k, v, out, lse))
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    shape_key = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
-    runner = None if capturing else _kept.pop(shape_key, None)  # taken: no other call runs it meanwhile
-    if runner is not None and not _same_spec(runner.spec, spec):
-        _give_back(runner.buffers)
-        runner = None
-    if runner is None:
-        work_plan = scheduler._plan_valid(spec.layout.qo_lens, spec.layout.kv_lens, **cfg.plan_options(spec, device))
-        spare = None if capturing else _take_spare(Capacity.needed(work_plan, spec.layout, spec.variant.use_rope),
-                                                   shape_key)
-        runner = Runner(spec, work_plan, device, spare, headroom=False)
-    try:
-        return runner.run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
-                          prior=prior)
-    finally:
-        if not capturing:
-            earlier = _kept.pop(shape_key, None)  # a call that ran meanwhile kept its own
-            _kept[shape_key] = runner
-            if earlier is not None:
-                _give_back(earlier.buffers)
-
-
-def _same_spec(a, b) -> bool:
-    """Whether specs ``a`` and ``b`` plan alike: the same layout object (layouts are immutable), heads, variant,
-    dtypes, view and grid, and the same RoPE positions object (which spec equality leaves out)."""
-    return a == b and a.rope_positions is b.rope_positions
+def _recorded(spec) -> tuple:
+    """What a CUDA graph captured around :meth:`Runner.run` records of a plan, beyond the buffers' contents that
+    a re-plan refills (:data:`_RECORDED` names them): the kernel's compile-time switches and scalar arguments.
+    (The launch grid is the buffers' own: a plan for another ``num_ctas`` never fits them.) Tile shapes and warps may
+    change: the kernel runs any plan of the buffers correctly with any."""
+    variant = spec.variant
+    return (spec.layout.block_size, spec.layout.custom_mask is not None, spec.sm_scale,
+            causal_hides_keys(spec), variant.window_left, variant.logits_soft_cap, variant.alibi_slopes is not None,
+            variant.sigmoid_bias, variant.sinks, variant.use_rope)
