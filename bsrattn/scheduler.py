@@ -31,9 +31,7 @@ __all__ = ["WorkPlan", "plan", "plan_layout", "round_robin", "makespan", "simula
            "DISTRIBUTIONS"]
 
 MAX_CTAS = 2**20
-"""The largest ``num_ctas`` a plan may have. A GPU runs a few thousand CTAs at once (an H200 has 132 SMs), so
-more only add empty ones; the bound also keeps a bad value from allocating the plan's ``[num_ctas + 1]`` offsets
-and its load heap."""
+"""The largest ``num_ctas`` a plan may have: a GPU runs a few thousand CTAs at once, so more only add empty ones."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -353,9 +351,8 @@ _core = Compiled(_plan_core, ceil_div, _chunk_size, _work_items, _longest_first_
 
 def _make_plan(qo, kv, num_ctas, tile_q, split, min_split_size, kv_align, balance, lead_items=False,
                all_ctas=None) -> WorkPlan:
-    """The :class:`WorkPlan` of int32 lengths ``qo``, ``kv`` (checked by the caller), balanced over ``num_ctas``
-    CTAs of ``all_ctas`` (default ``num_ctas``; the others get no items); its arrays but ``cta_indptr``'s
-    padding are views of one."""
+    """The :class:`WorkPlan` of checked int32 lengths ``qo``, ``kv`` over ``num_ctas`` CTAs of ``all_ctas`` (default
+    ``num_ctas``; the others get no items); its arrays but ``cta_indptr``'s padding are views of one."""
     num_ctas, tile_q = int(num_ctas), int(tile_q)
     flat, chunk, w, m, p, rows = _core(qo, kv, num_ctas, tile_q, int(split), int(min_split_size), int(kv_align),
                                          balance, bool(lead_items))
@@ -441,8 +438,7 @@ def plan(qo_lens: ArrayLike, kv_lens: ArrayLike, *, num_ctas: int, tile_q: int =
 
 
 def plan_layout(layout: BSRLayout, **options: Any) -> WorkPlan:
-    """:func:`plan` of a layout's block rows: its ``qo_lens`` and ``kv_lens`` were checked when it was built, so only
-    ``options`` (:func:`plan`'s keyword arguments) are checked here, and a plan of thousands of rows costs none.
+    """:func:`plan` of a layout's rows, whose lengths were checked when it was built: only ``options`` are checked.
 
     Parameters
     ----------
@@ -450,11 +446,15 @@ def plan_layout(layout: BSRLayout, **options: Any) -> WorkPlan:
         The rows to plan.
     **options : Any
         :func:`plan`'s keyword arguments (``num_ctas`` is required).
-
     Returns
     -------
     WorkPlan
         ``plan(layout.qo_lens, layout.kv_lens, **options)``.
+    Examples
+    --------
+    >>> import bsrattn as ba
+    >>> ba.scheduler.plan_layout(ba.layouts.ragged([1, 1], [100, 10]), num_ctas=4).num_items
+    5
     """
     return _plan_valid(layout.qo_lens, layout.kv_lens, **options)
 

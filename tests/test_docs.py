@@ -4,9 +4,11 @@ The build is ``mkdocs build --strict`` (warnings are errors) into a temporary fo
 shadows torch, numba and triton with packages that refuse to import: the site, including its API reference,
 must be built from the sources alone. The notebooks are rendered unexecuted here (``BSRATTN_DOCS_EXECUTE=false``);
 ``tests/test_notebooks.py`` executes them and builds the site from them. The site must load nothing from outside
-itself (MathJax is served from it), and its math must reach MathJax. The README's code and the home page's run
-as they stand, in a fresh interpreter: the README's without the simulator variables, the home page's with them,
-as each says.
+itself (MathJax is served from it), its math must reach MathJax, and every link and source inside it must lead to
+a file of the site, and to its anchor (:func:`broken_links`, which ``tests/test_notebooks.py`` runs on the site it
+builds from the executed notebooks too). The README's code and the home page's run as they stand, in a fresh
+interpreter: the README's without the simulator variables and on each tier as the README says, the home page's
+with them, as each says.
 """
 
 import doctest
@@ -18,6 +20,8 @@ import pathlib
 import re
 import subprocess
 import sys
+import urllib.parse
+from html.parser import HTMLParser
 
 import pytest
 
@@ -107,6 +111,70 @@ def test_the_site_loads_nothing_from_outside_itself(site):
         assert "x-mathjax-config" not in html, f"{page}: nbconvert's MathJax 2 set-up is left in"
 
 
+class _LinksAndAnchors(HTMLParser):
+    """A page's ``href`` and ``src`` values, and the anchors it defines (``id``, and ``name`` on ``<a>``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.links, self.anchors = [], set()
+
+    def handle_starttag(self, tag, attrs):
+        for name, value in attrs:
+            if value and (name == "id" or (name == "name" and tag == "a")):
+                self.anchors.add(value)
+            elif value and name in ("href", "src"):
+                self.links.append((f"<{tag} {name}={value!r}>", value))
+
+
+def _parse(page):
+    parser = _LinksAndAnchors()
+    parser.feed(page.read_text())
+    return parser
+
+
+def broken_links(site):
+    """``["page: <tag attr='target'> (why)", ...]``: every ``href``/``src`` of the built ``site`` that leads to no
+    file of it, or to an anchor its page lacks.
+
+    External targets (``http:``, ``mailto:``, ``data:``, any scheme, and ``//host``) are not followed. A target is
+    resolved as a browser would: against the page's folder, or the site's root for ``/...``; a folder means its
+    ``index.html``.
+    """
+    site = pathlib.Path(site).resolve()
+    parsed = {}
+
+    def page_of(path):
+        if path not in parsed:
+            parsed[path] = _parse(path)
+        return parsed[path]
+
+    broken = []
+    for page in sorted(site.rglob("*.html")):
+        for shown, target in page_of(page).links:
+            if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:|^//", target):
+                continue
+            path, _, fragment = target.partition("#")
+            path = urllib.parse.unquote(path.split("?")[0])
+            if not path:
+                dest = page
+            else:
+                base = site if path.startswith("/") else page.parent
+                dest = pathlib.Path(os.path.normpath(base / path.lstrip("/")))
+                if dest.is_dir():
+                    dest = dest / "index.html"
+            where = page.relative_to(site)
+            if site not in dest.parents or not dest.is_file():
+                broken.append(f"{where}: {shown} (no such file in the site)")
+            elif fragment and dest.suffix == ".html" and urllib.parse.unquote(fragment) not in page_of(dest).anchors:
+                broken.append(f"{where}: {shown} (no anchor #{fragment} in {dest.relative_to(site)})")
+    return broken
+
+
+def test_every_link_and_source_leads_into_the_site(site):
+    broken = broken_links(site)
+    assert not broken, f"{len(broken)} links lead nowhere:\n" + "\n".join(broken[:40])
+
+
 def _text(html):
     """The page's text outside code, scripts and tags."""
     html = re.sub(r"<(pre|code|script|style)\b.*?</\1>", "", html, flags=re.DOTALL)
@@ -151,10 +219,30 @@ def _run(code, env, tmp_path):
 def test_the_readme_code_runs_without_a_gpu_or_the_simulators(tmp_path):
     blocks = _python_blocks(ROOT / "README.md")
     assert blocks, "the README has no python block"
-    env = {k: v for k, v in os.environ.items() if k not in SIMULATORS}
+    env = {k: v for k, v in os.environ.items() if k not in SIMULATORS + ("BSRATTN_BACKEND",)}
     done = _run("\n".join(blocks), env, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "max |plan/run - attention|" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("tier, simulator, packages", [("numba", "NUMBA_ENABLE_CUDASIM", ("numba",)),
+                                                        ("torch", "TRITON_INTERPRET", ("torch", "triton"))])
+def test_the_readme_code_runs_on_each_gpu_tier_as_printed(tier, simulator, packages, tmp_path):
+    """The README's code, unchanged, with the tier picked by ``BSRATTN_BACKEND`` (and, without a GPU, the tier's
+    simulator switched on), as the README's commands run it."""
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"the {tier} tier needs {', '.join(missing)}, not installed here")
+    command = f"BSRATTN_BACKEND={tier} {simulator}=1 python"
+    assert command in (ROOT / "README.md").read_text(), f"the README no longer says {command!r}"
+    env = {k: v for k, v in os.environ.items() if k not in SIMULATORS}
+    env["BSRATTN_BACKEND"] = tier
+    if not _has_gpu():
+        env[simulator] = "1"
+    code = "\n".join(_python_blocks(ROOT / "README.md")) + "\nprint('tier:', ba.get_backend().name)"
+    done = _run(code, env, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "max |plan/run - attention|" in done.stdout and f"tier: {tier}" in done.stdout, done.stdout
 
 
 def test_the_home_page_code_runs_as_the_page_says(tmp_path):

@@ -9,7 +9,8 @@ produce one exactly when GPU results exist.
 
 The executed notebooks are then written out and the site is built from them (``mkdocs build --strict`` with
 ``BSRATTN_DOCS_NOTEBOOKS``): every notebook page must hold its figures and its math typeset-ready, as
-``mkdocs build`` makes them.
+``mkdocs build`` makes them, and no link or source of the site may lead nowhere (``test_docs.broken_links``: the
+executed notebooks' outputs hold links that the unexecuted site of ``tests/test_docs.py`` does not).
 """
 
 import importlib.util
@@ -100,3 +101,7 @@ def test_the_site_shows_every_notebook_executed(executed, tmp_path):
         text = re.sub(r"<[^>]+>", " ", re.sub(r"<(pre|code)\b.*?</\1>", "", markdown, flags=re.DOTALL))
         assert not re.search(r"\$[^$\s][^$]*\$", text), f"{path.stem}: raw $...$ math in its markdown"
         assert "../../assets/mathjax/tex-mml-chtml.js" in page and "x-mathjax-config" not in page, path.stem
+    from test_docs import broken_links
+
+    broken = broken_links(site)
+    assert not broken, f"{len(broken)} links lead nowhere:\n" + "\n".join(broken[:40])

@@ -401,6 +401,7 @@ def test_replan_refills_buffers_in_place_and_replays():
     check_attention(launch, plan_b, "float32", tensors, name="replayed launch, plan B")
 
     big = named_case("paged", scattered(rng, (1,) * 20, (40,) * 20, spare=0)).layout
+    buffers.captured = True  # as a CUDA graph capture's launch marks them: the graph holds their addresses
     with pytest.warns(RuntimeWarning, match="recapture any CUDA graph"):
         attn.plan(big, 4, 2, head_dim, num_ctas=3)
     assert attn._runners[0].buffers is not buffers, "a plan over capacity gets new buffers"

@@ -33,7 +33,9 @@ def merge_pair(o_a, lse_a, o_b, lse_b):  # o_a, o_b [BLOCK_M, BLOCK_D] f32; lse_
     t_b = tl.where((lse_b == float("-inf"))[:, None], 0.0, w_b[:, None] * o_b)
     total = w_a + w_b
     o = (t_a + t_b) / tl.where(total == 0.0, 1.0, total)[:, None]
-    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total))
+    # tl.where computes both sides: log's argument is guarded too, so an empty lane takes no log(0) (the
+    # interpreter warns of it; a GPU returns -inf, discarded alike).
+    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
     return o, lse
 
 

@@ -65,7 +65,7 @@ class Runner:
         if spare is not None and spare.fits(need, *shape):
             buffers = spare
         else:
-            if replan:
+            if replan and spare.captured:  # only a captured graph holds the old buffers' addresses
                 warnings.warn(f"the plan needs {need}, beyond the previous plan's buffers "
                               f"({spare.capacity}, heads/dim/device {spare.shape_key}); "
                               f"new buffers were allocated, so recapture any CUDA graph taken on the old ones "
