@@ -137,11 +137,17 @@ if not results:
 #
 # The suite's own report, one table per workload: times in µs (graph mode, eager where marked `e`), the fraction
 # of the physical bound in brackets. On workload 1 the numba and torch tiers appear side by side, so their
-# achieved bandwidths can be compared.
+# achieved bandwidths can be compared. The torch tier's tile and schedule sweep (`tune.json`, written by
+# `python3 -m benchmarks.tune`) is the tuner's record, not a workload, so it is left out here: the site's
+# *Benchmark results* page links it, and `benchmarks/NOTES.md` says what was chosen from it.
 
 # %%
 for name, payload in results.items():
-    display(Markdown("\n".join(report.section(payload, results_dir))))
+    if name not in report.ORDER:  # the tuning sweep
+        continue
+    # This notebook draws every figure from the records itself; the report's link to each committed PNG is
+    # relative to benchmarks/results/, where neither the notebook nor its page on the site lies.
+    display(Markdown("\n".join(line for line in report.section(payload, results_dir) if not line.startswith("!["))))
 if not results:
     print("No tables yet.")
 

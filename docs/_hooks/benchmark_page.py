@@ -7,6 +7,9 @@
    placed in the site;
 2. else, when ``benchmarks/results/*.json`` exist, the same report rendered from them now;
 3. else a note that no results are committed yet.
+
+The torch tier's tuning sweep (``benchmarks/results/tune.json``, from ``python3 -m benchmarks.tune``) is no workload:
+it is copied into the site as it is and linked from the page, not tabulated.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 PAGE = "benchmarks.md"
 MARKER = "<!-- benchmark-results -->"
 IMAGE_SUFFIXES = (".png", ".svg", ".jpg")
+SWEEP = RESULTS_DIR / "tune.json"
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 NO_RESULTS = ("!!! note \"No results committed yet\"\n"
               "    `benchmarks/results/` holds no results in this version of the repository. They are measured on "
@@ -35,8 +39,8 @@ def _images():
 
 
 def on_files(files, config):
-    """Copy the result images into the site, at ``benchmarks/results/<name>``."""
-    for path in _images():
+    """Copy the result images and the tuning sweep into the site, at ``benchmarks/results/<name>``."""
+    for path in _images() + ([SWEEP] if SWEEP.is_file() else []):
         files.append(File(path.relative_to(ROOT).as_posix(), str(ROOT), config["site_dir"], config["use_directory_urls"]))
     return files
 
@@ -76,9 +80,19 @@ def results_markdown() -> str:
     return _demote(_relink(report.render(harness.load_results(RESULTS_DIR), RESULTS_DIR)))
 
 
+def sweep_markdown() -> str:
+    """A paragraph linking the tuning sweep's records, when they are committed; else nothing."""
+    if not SWEEP.is_file():
+        return ""
+    return ("\n\n## The tuning sweep\n\n`python3 -m benchmarks.tune` times the torch tier's tile and schedule choices "
+            "(tile widths, warps, pipeline stages, CTAs per SM) on cases of W1-W3. Its last run is not a workload, "
+            "so it is not tabulated here: its records are [`tune.json`](benchmarks/results/tune.json), and "
+            "`benchmarks/NOTES.md` says what was chosen from them.\n")
+
+
 def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri != PAGE:
         return markdown
     if MARKER not in markdown:
         raise PluginError(f"docs/{PAGE} must contain the marker {MARKER}")
-    return markdown.replace(MARKER, results_markdown())
+    return markdown.replace(MARKER, results_markdown() + sweep_markdown())

@@ -9,6 +9,10 @@ Where the executed notebooks come from:
   executes them once, checks them, and builds the site from them);
 - ``BSRATTN_DOCS_EXECUTE=false``: not executed — code and text only, in seconds, for ``mkdocs serve`` while writing.
 
+The kernels' channels are encrypted (CurveZMQ, where jupyter_client and pyzmq offer it), so ipykernel has no
+plain-TCP warning to print; and mkdocs-jupyter's ``Converting notebook (execute=False)`` line, true of its own
+rendering but read as "not executed", is left out for notebooks executed here or given: this hook logs what ran.
+
 Math: a markdown cell writes TeX between ``$`` (inline) and ``$$`` (display), which nbconvert passes through as
 text. :func:`wrap_notebook_math` wraps it as ``pymdownx.arithmatex`` wraps the pages' math, so the one MathJax
 that the site serves (``docs/_hooks/mathjax.py``) typesets both; nbconvert's MathJax 2 loader (an empty script URL
@@ -18,6 +22,7 @@ and a version 2 configuration) is dropped.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import tempfile
@@ -30,6 +35,8 @@ NOTEBOOKS = ROOT / "notebooks"
 PATTERN = "[0-9][0-9]_*.py"
 TIMEOUT_PER_CELL_S = 180
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours of IPython tracebacks
+
+log = logging.getLogger("mkdocs.hooks.notebook_outputs")
 
 _MATHJAX_2 = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->", flags=re.DOTALL)
 _VERBATIM = re.compile(r"(<(pre|code|script|style)\b.*?</\2>)", flags=re.DOTALL | re.IGNORECASE)
@@ -52,12 +59,24 @@ def paths() -> list:
     return sorted(NOTEBOOKS.glob(PATTERN))
 
 
+def kernel_config():
+    """The kernel managers' configuration: CurveZMQ-encrypted channels where this jupyter_client and pyzmq offer
+    them (``transport_encryption="auto"`` provisions keys for a kernel whose kernelspec supports them)."""
+    import zmq
+    from jupyter_client.manager import KernelManager
+    from traitlets.config import Config
+
+    if "transport_encryption" in KernelManager.class_trait_names() and zmq.has("curve"):
+        return Config({"KernelManager": {"transport_encryption": "auto"}})
+    return Config()
+
+
 async def _run(path: Path, gate: asyncio.Semaphore) -> Executed:
     import jupytext
     import nbclient
 
     nb = jupytext.read(path)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=TIMEOUT_PER_CELL_S,
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=TIMEOUT_PER_CELL_S, config=kernel_config(),
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
     async with gate:
         start = time.perf_counter()
@@ -135,6 +154,11 @@ def _source() -> str:
 _executed_dir = None  # this build's executed notebooks, removed after the build
 
 
+def _not_unexecuted(record: logging.LogRecord) -> bool:
+    """Drop mkdocs-jupyter's ``Converting notebook (execute=False)`` of a notebook that was executed."""
+    return _source() == "text" or not record.getMessage().startswith("Converting notebook (execute=False)")
+
+
 def on_files(files, config):
     """Point each notebook page at its executed ``.ipynb``, executing the notebooks first if need be."""
     from mkdocs.exceptions import PluginError
@@ -143,9 +167,11 @@ def on_files(files, config):
     source = _source()
     if source == "text":
         return files
+    logging.getLogger("mkdocs.mkdocs-jupyter").addFilter(_not_unexecuted)  # kept once, however many builds
     pages = [f for f in files if f.src_uri.startswith("notebooks/") and Path(f.src_uri).match(PATTERN)]
     if source == "given":
         folder = Path(os.environ["BSRATTN_DOCS_NOTEBOOKS"])
+        log.info(f"Rendering the {len(pages)} notebooks executed in {folder}")
     else:
         _executed_dir = tempfile.TemporaryDirectory(prefix="bsrattn-notebooks-")
         folder = Path(_executed_dir.name)
@@ -154,6 +180,8 @@ def on_files(files, config):
         if failed:
             name, error = next(iter(failed.items()))
             raise PluginError(f"notebooks that failed: {sorted(failed)}; {name}:\n{error}")
+        for path, run in executed.items():
+            log.info(f"Executed notebooks/{path.name} in {run.seconds:.0f} s")
         write(executed, folder)
     for f in pages:
         notebook = folder / f"{Path(f.src_uri).stem}.ipynb"
