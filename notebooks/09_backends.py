@@ -255,6 +255,60 @@ for m in range(work_plan.num_merges):
 _ = tiers.check("numba run", out, ba.attention(q, k, v, layout, variant=variant))
 
 # %% [markdown]
+# ## The cores: the paper's kernel at teaching size
+#
+# The shipped kernels carry a serving engine's machinery — a persistent grid, loads a tile ahead, the affine load
+# path, deterministic mode's chunk grid, a Cascade's earlier levels folded in. Under all of it is one idea, and
+# each GPU tier states it once more, at teaching size, in a file of its own: `numba_cuda/core.py` and
+# `torch_cuda/core.py`, about 200 lines each. `kernel="core"` selects it on any call:
+#
+# | idea | reference | numba core | torch core |
+# |---|---|---|---|
+# | the gather through the BSR indices | `gather.row_slots`, `gather` | `gather`, into shared memory | `gather_offsets`, one `tl.load` per tile |
+# | scores and masks, one function | `microkernel.scores`, `transform` | `score` | `score` |
+# | the online softmax | `microkernel.attend` (all keys at once) | `accumulate`, key by key | the tile loop on `tl.dot` |
+# | LSE out, empty and poisoned rows | `attend`'s tail | `finish` | `finish` |
+# | split rows, ⊕ in plan order | `executor.execute` | the tier's plan merge kernel | `merge_kernel` |
+#
+# Both run the same `WorkPlan` as the shipped kernels and the reference, and are held to the same cross-tier tests.
+
+# %%
+for name in (n for n in tiers.available() if n != "reference"):
+    for label, variant in variants.items():
+        expected = ba.attention(q, k, v, layout, variant=variant)
+        _ = tiers.check(f"{name} core {label}", ba.attention(q32, k32, v32, layout, variant=variant, backend=name,
+                                                              kernel="core"), expected)
+
+# %% [markdown]
+# On the H200 the core is the first rung of the benchmark ladder (`bsrattn-torch-core` in W1-W3, beside the
+# shipped `bsrattn-torch`): what the serving machinery buys over the idea itself.
+
+# %%
+import json
+from pathlib import Path
+
+results = Path("..") / "benchmarks" / "results"
+rows = []
+for workload in ("w1_quest_decode", "w2_paged_decode", "w3_prefill"):
+    path = results / f"{workload}.json"
+    if not path.exists():
+        continue
+    records = json.loads(path.read_text())["records"]
+    timed = {(json.dumps(r["config"], sort_keys=True), r["impl"]): r["time_us"] for r in records
+             if r.get("status") == "ok" and r.get("time_mode") == "graph"}
+    for (config, impl), core_us in timed.items():
+        shipped_us = timed.get((config, "bsrattn-torch"))
+        if impl == "bsrattn-torch-core" and shipped_us is not None:
+            rows.append((workload, json.loads(config), core_us, shipped_us))
+if rows:
+    print(f"{'workload':<16} {'configuration':<58} {'core us':>9} {'shipped us':>11} {'core / shipped':>15}")
+    for workload, config, core_us, shipped_us in rows:
+        label = ", ".join(f"{k}={v}" for k, v in config.items())
+        print(f"{workload:<16} {label[:58]:<58} {core_us:9.1f} {shipped_us:11.1f} {core_us / shipped_us:14.2f}x")
+else:
+    print("no committed H200 run with the core's row yet: python3 -m benchmarks.run_all --quick --only w1,w2,w3")
+
+# %% [markdown]
 # ## What it costs
 #
 # Here, on a CPU, the simulator and the interpreter are teaching tools: they run every CUDA thread as a Python
@@ -268,7 +322,7 @@ for name in tiers.available():
     ba.attention(q32, k32, v32, layout, variant=variant, backend=name)
     print(f"{name:>9}: {(time.perf_counter() - start) * 1e3:8.1f} ms for {layout.nnz_qo} queries x "
           f"{int(layout.kv_lens.sum())} keys here")
-shared = shared_bytes(head_dim, cfg.group, cfg.tile_rows, cfg.tile_kv, head_dim * 4, cfg.word_size, 4)
+shared = shared_bytes(head_dim, cfg.group_size, cfg.tile_rows, cfg.tile_kv, head_dim * 4, cfg.word_size, 4)
 print(f"numba tier here: grid ({work_plan.num_ctas}, {num_kv_heads}) x {cfg.num_threads} threads, "
       f"{cfg.tile_kv}-key tiles, {cfg.max_nq} (query, head) pairs per block, {shared} bytes of shared memory")
 
