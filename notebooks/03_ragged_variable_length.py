@@ -160,11 +160,18 @@ plt.show()
 # keys.
 
 # %%
-from bsrattn.torch_cuda import config as torch_config
+import importlib.util
 
-group = 4                                                              # 32 query heads over 8 KV heads
-block_m = torch_config.PREFILL_BLOCK_M                                 # (query row, head) rows of a tile
-block_n = torch_config.tiles(block_m, 128, "bfloat16").block_n         # keys of a tile
+group = 4              # 32 query heads over 8 KV heads
+block_m = 128          # (query row, head) rows of a prefill tile: PREFILL_BLOCK_M in bsrattn/torch_cuda/config.py
+block_n = 64           # keys of a tile, for head_dim 128 in bfloat16: config.tiles(...).block_n
+ctas_per_sm = 4        # a prefill launch's CTAs per SM: config.CTAS_PER_SM["prefill"]
+if importlib.util.find_spec("torch") is not None:  # with the torch extra, read them off the tier itself
+    from bsrattn.torch_cuda import config as torch_config
+
+    tier = (torch_config.PREFILL_BLOCK_M, torch_config.tiles(block_m, 128, "bfloat16").block_n,
+            torch_config.CTAS_PER_SM["prefill"])
+    assert (block_m, block_n, ctas_per_sm) == tier, tier
 prefill = ba.layouts.ragged([2048, 1024, 512], [2048, 1024, 512])
 
 
@@ -194,7 +201,7 @@ def kv_loops(work_plan, layout, variant):
 
 skipping = {"causal": ba.Variant(causal=True), "causal, window 256": ba.Variant(causal=True, window_left=256)}
 work_plan = ba.scheduler.plan(prefill.qo_lens, prefill.kv_lens, tile_q=block_m // group,
-                              num_ctas=132 * torch_config.CTAS_PER_SM["prefill"] // 8)
+                              num_ctas=132 * ctas_per_sm // 8)
 loops = {}
 for label, variant in skipping.items():
     loops[label] = kv_loops(work_plan, prefill, variant)

@@ -225,6 +225,29 @@ def test_the_readme_code_runs_without_a_gpu_or_the_simulators(tmp_path):
     assert "max |plan/run - attention|" in done.stdout, done.stdout
 
 
+GPU_EXTRAS_ABSENT = """\
+import sys
+
+sys.modules.update(dict.fromkeys(("torch", "triton", "numba", "numba_cuda")))
+"""
+"""Prepended to a script: torch, triton and numba are not there (``import`` raises ModuleNotFoundError,
+``importlib.util.find_spec`` gives None), as after ``pip install -e .`` alone."""
+
+
+def test_the_readme_code_runs_with_the_gpu_extras_absent(tmp_path):
+    """The light install the README describes: numpy and ml_dtypes alone run the Ten lines, on the reference
+    tier, which ``"auto"`` picks."""
+    env = {k: v for k, v in os.environ.items() if k not in SIMULATORS + ("BSRATTN_BACKEND",)}
+    code = GPU_EXTRAS_ABSENT + "\n".join(_python_blocks(ROOT / "README.md")) + (
+        "\nprint('auto:', ba.get_backend('auto').name)\nimport sys\n"
+        "print('loaded:', sorted({m.split('.')[0] for m, module in sys.modules.items() if module is not None}\n"
+        "                        & {'torch', 'triton', 'numba'}))")
+    done = _run(code, env, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "max |plan/run - attention|" in done.stdout and "auto: reference" in done.stdout, done.stdout
+    assert "loaded: []" in done.stdout, done.stdout
+
+
 @pytest.mark.parametrize("tier, simulator, packages", [("numba", "NUMBA_ENABLE_CUDASIM", ("numba",)),
                                                         ("torch", "TRITON_INTERPRET", ("torch", "triton"))])
 def test_the_readme_code_runs_on_each_gpu_tier_as_printed(tier, simulator, packages, tmp_path):
