@@ -658,11 +658,11 @@ def run(names=(), jobs: int = 2, out=sys.stdout, control: bool = True) -> list:
             # does not mutate (WARM_UP does only that).
             named = sorted({t for m in chosen for t in m.tests}) if control else list(WARM_UP)
             with ThreadPoolExecutor(max_workers=jobs) as pool:
-                parts = [named[i::jobs] for i in range(jobs) if named[i::jobs]]
-                for control in pool.map(lambda part: servers.pytest(base, part), parts):
-                    if control.returncode != 0:
+                parts = [part for part in (named[i::jobs] for i in range(jobs)) if part]
+                for result in pool.map(lambda part: servers.pytest(base, part), parts):
+                    if result.returncode != 0:
                         raise RuntimeError(f"the named tests fail without any mutation (exit code "
-                                           f"{control.returncode}):\n{_tail(control.output)}")
+                                           f"{result.returncode}):\n{_tail(result.output)}")
             outcomes = []
             with ThreadPoolExecutor(max_workers=jobs) as pool:
                 for outcome in pool.map(lambda m: run_mutant(m, base, scratch, servers), chosen):

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import bsrattn as ba
@@ -29,11 +29,6 @@ DTYPE = {"reference": "float64", "numba": "float32", "torch": "float32"}
 BATCH_EXAMPLES = {"reference": None, "numba": 3, "torch": 3}
 """Examples of the properties that cut whole batches, per tier (None: the profile's): an example on an emulated
 tier is four plans and runs of up to four requests of up to 160 keys, seconds each."""
-
-
-def batch_examples(tier):
-    n = BATCH_EXAMPLES[tier.name]
-    return settings(max_examples=n) if n else settings()
 
 
 @pytest.fixture(params=TIERS)
@@ -125,7 +120,7 @@ def batches(draw):
 
 
 def test_rows_agree_however_the_batch_is_cut(tier):
-    @batch_examples(tier)
+    @tier.examples(budgets=BATCH_EXAMPLES)
     @given(batches())
     def check(case):
         lengths, first, second, split, variant, ctas_a, ctas_b, seed = case
@@ -168,7 +163,7 @@ def shared_prefixes(draw):
 
 
 def test_a_cascade_agrees_with_the_same_keys_in_one_paged_layout(tier):
-    @batch_examples(tier)
+    @tier.examples(budgets=BATCH_EXAMPLES)
     @given(shared_prefixes())
     def check(case):
         prefix, suffixes, queries, split, seed = case

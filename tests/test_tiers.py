@@ -43,6 +43,7 @@ TIER_EXAMPLES = {"reference": None, "numba": 6, "torch": 6, "numba-core": 4, "to
 # Per layout kind (8 kinds), the slow tiers draw fewer still.
 TIER_EXAMPLES_PER_KIND = {"reference": None, "numba": 2, "torch": 2, "numba-core": 2, "torch-core": 2}
 
+
 def feature_dtypes(tier) -> tuple:
     """The dtypes a test of one feature (scales, sinks, fused RoPE) loops over: every one on the reference, the
     first on the emulated tiers, whose every dtype the property tests sample (an emulated call takes seconds)."""
@@ -68,9 +69,10 @@ class Tier:
     def dtypes(self) -> tuple:
         return TIER_DTYPES[self.name]
 
-    def examples(self, per_kind=False):
-        """A Hypothesis settings decorator with this tier's example budget."""
-        n = (TIER_EXAMPLES_PER_KIND if per_kind else TIER_EXAMPLES)[self.name]
+    def examples(self, per_kind=False, budgets=None):
+        """A Hypothesis settings decorator with this tier's example budget (of ``budgets``, a table like
+        ``TIER_EXAMPLES``, when given)."""
+        n = (budgets or (TIER_EXAMPLES_PER_KIND if per_kind else TIER_EXAMPLES))[self.name]
         return settings(max_examples=n) if n else settings()
 
     def array(self, x, dtype: str):
