@@ -309,6 +309,15 @@ else:
     print("no committed H200 run with the core's row yet: python3 -m benchmarks.run_all --quick --only w1,w2,w3")
 
 # %% [markdown]
+# In the committed run the core takes 1.6-3x the shipped call's time at decode and 5-11x at prefill. The
+# difference is the serving layer, rung by rung in `benchmarks/NOTES.md`:
+# - KV tiles that every query of a tile sees run without a mask.
+# - The check for non-finite values leaves the tile loop, for a second launch over the items that need it.
+# - Prefill tiles are 128 rows, with the scale folded into `exp2`.
+# - Block ids and tiles are loaded a stage ahead.
+# - Merges are folded into the attention launch, and small decode batches are balanced over the SMs.
+
+# %% [markdown]
 # ## What it costs
 #
 # Here, on a CPU, the simulator and the interpreter are teaching tools: they run every CUDA thread as a Python
