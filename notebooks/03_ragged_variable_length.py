@@ -160,13 +160,11 @@ plt.show()
 # keys.
 
 # %%
-import importlib.util
-
 group = 4              # 32 query heads over 8 KV heads
 block_m = 128          # (query row, head) rows of a prefill tile: PREFILL_BLOCK_M in bsrattn/torch_cuda/config.py
 block_n = 64           # keys of a tile, for head_dim 128 in bfloat16: config.tiles(...).block_n
 ctas_per_sm = 4        # a prefill launch's CTAs per SM: config.CTAS_PER_SM["prefill"]
-if importlib.util.find_spec("torch") is not None:  # with the torch extra, checked against the tier itself
+if tiers.torch_extra_installed():  # checked against the tier itself
     from bsrattn.torch_cuda import config as torch_config
 
     tier = (torch_config.PREFILL_BLOCK_M, torch_config.tiles(block_m, 128, "bfloat16").block_n,

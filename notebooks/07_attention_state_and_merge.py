@@ -31,7 +31,6 @@
 # $\mathrm{lse} = -\infty$, weight 0, and is ⊕'s identity.
 
 # %%
-import importlib.util
 import os
 import re
 import shutil
@@ -191,9 +190,10 @@ for name in tiers.available():
 
 # %%
 launches = {"fp16 decode": {}, "bf16 causal prefill": dict(q_dtype="bfloat16", tile_q=32, causal=True)}
-if importlib.util.find_spec("triton") is None:
+if not tiers.torch_extra_installed():
     launches = {}
-    print("Compiling the kernel takes Triton: install the torch extra (pip install -e '.[torch]') to read its PTX.")
+    print("Compiling the kernel takes torch and Triton: install the torch extra (pip install -e '.[torch]') "
+          "to read its PTX.")
 for label, kwargs in launches.items():
     asm = sm90.compile_attention(**kwargs)
     ptx_atomics = re.findall(r"\b(?:atom|red)\.[\w.]+", asm["ptx"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import bsrattn as ba
 import bsrattn.testing
 
@@ -19,6 +21,11 @@ def available():
         else:
             names.append(name)
     return names
+
+
+def torch_extra_installed() -> bool:
+    """Whether torch and Triton, what the torch tier imports (the torch extra), are installed here, GPU or not."""
+    return all(importlib.util.find_spec(name) is not None for name in ("torch", "triton"))
 
 
 def check(name, actual, expected, op="attention", dtype="float32"):
