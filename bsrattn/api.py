@@ -267,6 +267,12 @@ class BatchAttention:
         flag's choice when the object is made (see :mod:`bsrattn.backends`).
     kernel : {"shipped", "core"}, optional
         Which of the tier's kernels runs (see :func:`attention`); default ``"shipped"``.
+    cuda_graph : bool
+        Launch, for every plan, the kernel that runs any plan of the tier's persistent buffers (on the torch tier:
+        the persistent kernel with split rows' merges, where a plan that splits nothing would take a lighter one),
+        so that a CUDA graph captured around :meth:`run` replays every later plan while :attr:`graph_key` stays
+        the same, as FlashInfer's ``use_cuda_graph`` wrappers keep one kernel; a little slower where the lighter
+        kernel would have run. Tiers without persistent buffers ignore it.
 
     Raises
     ------
@@ -287,8 +293,12 @@ class BatchAttention:
     True
     """
 
-    def __init__(self, backend: str | Backend | None = None, kernel: str | None = None) -> None:
+    def __init__(self, backend: str | Backend | None = None, kernel: str | None = None,
+                 cuda_graph: bool = False) -> None:
         self.backend = get_backend(backend, kernel)
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
+        self.cuda_graph = cuda_graph
         self._args: tuple = ()
         self._specs: list = []
         self._checks: list = []  # the specs run checks its arguments against (a flattened Cascade's: its levels')
@@ -401,8 +411,8 @@ class BatchAttention:
                 spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, level_variant, q_dtype, kv_dtype,
                                  kv_layout)
             spec = _positioned(layout, i, spec, rope_positions)
-            if spec.split_size != split:
-                spec = replace(spec, split_size=split)
+            if (spec.split_size, spec.cuda_graph) != (split, self.cuda_graph):
+                spec = replace(spec, split_size=split, cuda_graph=self.cuda_graph)
             if split is not None and spec.rope_positions is not None:
                 check_on_grid(spec.rope_positions[1], split, "rope_positions[1] (kv_offsets)")
             options = dict(self.backend.plan_options(spec))
@@ -422,6 +432,15 @@ class BatchAttention:
     def work_plans(self) -> list[WorkPlan]:
         """The current plan of each level (one for a plain layout)."""
         return [r.work_plan for r in self._runners]
+
+    @property
+    def graph_key(self) -> tuple | None:
+        """What a CUDA graph captured around :meth:`run` records beyond the contents of the plan's buffers: equal
+        before and after a :meth:`plan`, the graph replays the new plan (with ``cuda_graph=True``; without it, a
+        re-plan may also switch kernels, and the tier warns). None on a tier whose runs no graph can replay
+        (the reference and numba tiers, the core kernels: they keep no persistent buffers)."""
+        keys = [getattr(r, "graph_key", None) for r in self._runners]
+        return None if not keys or None in keys else tuple(key() for key in keys)
 
     def run(self, q: Array, k: Array, v: Array, *, out: Array | None = None, lse: Array | None = None,
             return_lse: bool = False, k_scale: float | None = None,

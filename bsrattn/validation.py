@@ -106,6 +106,9 @@ class AttentionSpec:
     rope_positions: tuple | None = field(default=None, compare=False)
     # Deterministic mode's chunk grid (KV slots per chunk, at absolute positions; check_deterministic), or None.
     split_size: int | None = None
+    # BatchAttention(cuda_graph=True): every launch is one that runs any later plan of the same buffers, so a CUDA
+    # graph captured once replays every re-plan that fits them (a tier with no persistent buffers ignores it).
+    cuda_graph: bool = False
 
     def rope_frame(self) -> tuple:
         """``(q_positions [nnz_qo], kv_offsets [R])`` int64: the position fused RoPE turns each query row at, and

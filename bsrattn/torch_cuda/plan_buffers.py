@@ -30,6 +30,7 @@ then one asynchronous copy of the bytes the plan uses: the sections up to the en
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import astuple, dataclass, replace
 
@@ -45,6 +46,7 @@ from bsrattn.torch_cuda.arrays import canonical_device
 SECTIONS = ("cta_indptr", "items", "merge_partials", "alibi", "rope", "rope_q", "kv_indices")
 WORKSPACE_HEADROOM_BYTES = 64 * 2**20
 """Largest partial-state workspace sized for the worst case of a batch rather than for its first plan."""
+_SERIALS = itertools.count()  # PlanBuffers.serial
 _ALIGN = 16  # int32 elements: 64 bytes, so every section pointer keeps Triton's 16-byte alignment
 
 
@@ -259,6 +261,7 @@ class PlanBuffers(PlanSections):
         # Stands in for the prior state of a call that folds none (prior.prior_state).
         self.no_prior = torch.empty((1, 1), dtype=torch.float32, device=device)
         self.launches = {}  # LaunchConfig -> the launch.Launch bound to these buffers (runner.py)
+        self.serial = next(_SERIALS)  # tells these buffers from any allocated before or after (Runner.graph_key)
         self.captured = False  # whether a CUDA graph capture has launched on these buffers (runner.py)
         self.captured_without_merges = False  # whether such a launch's kernel carried no merges (runner.py)
         self._turn = threading.Lock()

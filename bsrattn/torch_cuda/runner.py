@@ -113,10 +113,17 @@ class Runner:
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
                 sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
                 store_lse=store_lse, affine_rows=self.affine_rows,
-                merges=self.work_plan.num_merges > 0 or spec.split_size is not None,
-                item_kernel=config.item_kernel_for(spec, self.work_plan, q_dtype, self.affine_rows),
+                merges=self.work_plan.num_merges > 0 or spec.split_size is not None or spec.cuda_graph,
+                item_kernel=0 if spec.cuda_graph else config.item_kernel_for(spec, self.work_plan, q_dtype,
+                                                                             self.affine_rows),
                 split_size=spec.split_size or 0, prior=prior)
         return self._configs[key]
+
+    def graph_key(self) -> tuple:
+        """What a CUDA graph captured around :meth:`run` records of this plan beyond its buffers' contents: the
+        buffers themselves (a serial number: new buffers, new key) and :data:`_RECORDED`. Under
+        ``spec.cuda_graph`` the kernel runs any plan of its buffers, so an equal key means the graph replays."""
+        return (self.buffers.serial,) + _recorded(self.spec)
 
     def _launch(self, key) -> Launch:
         """The eager launch of configuration ``key`` (as :meth:`launch_config` takes it) over this runner's
