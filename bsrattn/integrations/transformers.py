@@ -43,6 +43,19 @@ shapes. The latest :data:`PLANS_KEPT` plans are kept, enough for models that alt
 layers, each with its own mask. ``S_kv`` grows every step: the torch tier reads a block size that is not a power
 of two at run time, so the steps share one compiled kernel.
 
+**Compiled forwards and CUDA graphs** (:func:`hoist_plans`). A forward that ``torch.compile`` traces, or that
+a CUDA graph replays, runs no Python: a plan made inside it would be made once, at tracing, and never again.
+``hoist_plans(model)`` moves the plan out: a hook before the model's forward, left out of what is compiled,
+plans the step (from the 4D mask ``generate`` builds ahead of each call when the cache is compilable, such as
+``cache_implementation="static"``) into buffers that stay where they are, and every layer's attention inside
+the compiled forward is one opaque op that runs the current plan (``bsrattn::hf_attention``). A re-plan that
+fits the buffers refills them in place, so the captured graph replays it: the buffers are sized for a decode
+step over the whole cache at its first, and every launch is one that runs any plan of them
+(``BatchAttention(cuda_graph=True)``). What would make a captured graph stale (new buffers, a custom mask that
+comes or goes, a new layer kind) changes the string the hook passes down (``bsrattn_step``), which the compiled
+forward is guarded on: it is compiled again, never replayed wrong. Each step reads its mask to the host (one
+synchronisation), as the eager path does.
+
 **Paged caches.** transformers' own continuous batching (``generate_batch``) accepts only ``"paged|eager"``,
 ``"sdpa"`` and flash implementations (transformers 5.24, whose other ``paged|`` names are deprecated), so it
 cannot call a registered attention function. bsrattn's paged path is its own: :class:`bsrattn.integrations.paged.PagedKVCache`
@@ -51,9 +64,12 @@ and the serving loop of ``examples/paged_generation.py``, driving a transformers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import weakref
 from collections import OrderedDict
+from functools import partial
 
 import numpy as np
 
@@ -71,13 +87,16 @@ from bsrattn.backends import get_backend
 from bsrattn.layout import BSRLayout
 from bsrattn.variant import Variant
 
-__all__ = ["NAME", "PLANS_KEPT", "register", "step_layout"]
+__all__ = ["NAME", "PLANS_KEPT", "STEP_KWARG", "hoist_plans", "register", "step_layout"]
 
 NAME = "bsrattn"
 """The name ``register`` gives the attention in ``transformers.AttentionInterface``."""
 
 PLANS_KEPT = 8
 """Plans each registered attention keeps, the most recently used."""
+
+STEP_KWARG = "bsrattn_step"
+"""The keyword :func:`hoist_plans`'s hook adds to a model call; HF passes it on to every attention function."""
 
 # Arguments some models pass that change the attention's result in ways bsrattn does not compute.
 _REFUSED = {"position_bias": "an additive position bias"}
@@ -115,10 +134,60 @@ def register(backend=None) -> str:
     >>> bool(torch.allclose(ours, theirs, atol=1e-5))
     True
     """
+    global _registered
     get_backend(backend)  # an unknown name or a missing tier fails here, not in a model's first layer
-    transformers.AttentionInterface.register(NAME, _Attention(backend))
+    _registered = _Attention(backend)
+    transformers.AttentionInterface.register(NAME, _registered)
     transformers.AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME
+
+
+def hoist_plans(model) -> torch.utils.hooks.RemovableHandle:
+    """Plan every step of ``model`` before its forward, outside what ``torch.compile`` traces or a CUDA graph replays.
+
+    With it, a model running ``"bsrattn"`` (:func:`register`, on the backend given there) works under transformers'
+    static cache and ``torch.compile``, ``mode="reduce-overhead"`` (CUDA graphs) included: each call's hook reads the
+    step's 4D mask (a dict of them, per layer type, for models of sliding and full layers), plans every layer kind
+    seen so far into its persistent buffers, and passes the layers a guard string (:data:`STEP_KWARG`). A call
+    without a 4D mask (a dynamic cache, whose masks the model builds inside) is left to the per-step plans of the
+    eager path, which a compiled forward refuses.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A decoder whose forward passes its keyword arguments on to the attention functions (every decoder of
+        transformers 5 does), with ``attn_implementation="bsrattn"``.
+
+    Returns
+    -------
+    torch.utils.hooks.RemovableHandle
+        ``.remove()`` takes the hook away again.
+
+    Raises
+    ------
+    RuntimeError
+        :func:`register` was not called first.
+
+    Examples
+    --------
+    >>> import torch, transformers
+    >>> import bsrattn.integrations.transformers as bsrattn_hf
+    >>> name = bsrattn_hf.register(backend="reference")
+    >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation=name)
+    >>> model = transformers.LlamaForCausalLM(config).eval()
+    >>> handle = bsrattn_hf.hoist_plans(model)
+    >>> ids = torch.tensor([[5, 9, 2, 7, 1]])
+    >>> ours = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static")
+    >>> handle.remove()
+    >>> model.set_attn_implementation("sdpa")
+    >>> bool((ours == model.generate(ids, max_new_tokens=4, do_sample=False)).all())
+    True
+    """
+    if _registered is None:
+        raise RuntimeError("hoist_plans needs bsrattn's attention registered first: call register()")
+    hoisted = _Hoisted(_registered)
+    return model.register_forward_pre_hook(torch.compiler.disable(hoisted.before_forward), with_kwargs=True)
 
 
 def step_layout(attention_mask, batch_size: int, qo_len: int, kv_len: int, variant: Variant):
@@ -169,7 +238,12 @@ def step_layout(attention_mask, batch_size: int, qo_len: int, kv_len: int, varia
     if attention_mask is None:
         length = qo_len if variant.causal and qo_len > 1 else kv_len
         return _one_block_per_request(batch_size, qo_len, np.full(batch_size, length), kv_len), variant
-    seen = _visible(attention_mask, batch_size, qo_len, kv_len)
+    return _layout_of(_visible(attention_mask, batch_size, qo_len, kv_len), qo_len, kv_len, variant)
+
+
+def _layout_of(seen, qo_len, kv_len, variant):
+    """:func:`step_layout` of a mask read to the host: ``seen [batch, qo_len, kv_len]`` bools."""
+    batch_size = seen.shape[0]
     keys_seen = seen.any(axis=1)  # [B, kv_len]
     kv_lens = np.where(keys_seen.any(axis=1), kv_len - np.argmax(keys_seen[:, ::-1], axis=1), 0)
     rows = [seen[b, :, :n] for b, n in enumerate(kv_lens)]
@@ -275,12 +349,24 @@ class _Attention:
                              f"expected query [B, Hq, S_q, D] and key, value [B, Hkv, S_kv, D]")
         num_kv_heads, kv_len = key.shape[1], key.shape[2]
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+        window_left = window - 1 if window else -1
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         s_aux = kwargs.get("s_aux")
-        variant = Variant(sm_scale=scaling,
-                          causal=bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)),
-                          window_left=window - 1 if window else -1, logits_soft_cap=softcap or 0.0,
+        step = kwargs.get(STEP_KWARG)
+        if step is not None and ":" in step:  # the plan was made before the forward (hoist_plans)
+            args = (query, key, value, step, scaling, window_left, float(softcap or 0.0), causal, s_aux)
+            if torch.compiler.is_compiling():
+                return torch.ops.bsrattn.hf_attention(*args), None
+            return _hoisted_attention(*args), None
+        if torch.compiler.is_compiling():
+            raise RuntimeError("bsrattn's attention plans each step on the host, which a compiled forward cannot: "
+                               "call bsrattn.integrations.transformers.hoist_plans(model) first, and give the "
+                               "model its 4D mask (generate does with a static cache)")
+        variant = Variant(sm_scale=scaling, causal=causal, window_left=window_left, logits_soft_cap=softcap or 0.0,
                           sinks=None if s_aux is None else self.sinks(s_aux))
         backend = get_backend(self.backend)
+        if step is not None:  # a model with hoisted plans, called without a 4D mask: learn the layer's kind
+            _hoisted_state(step).kind(variant, query, key)
         signature = (backend.name, query.device, batch, num_qo_heads, num_kv_heads, qo_len, kv_len, head_dim,
                      query.dtype, key.dtype, variant)
         attn = self.plans.get(signature, attention_mask)
@@ -292,3 +378,179 @@ class _Attention:
             self.plans.put(signature, attention_mask, attn)
         out = attn.run(query.transpose(1, 2).reshape(batch * qo_len, num_qo_heads, head_dim), key, value)
         return out.reshape(batch, qo_len, num_qo_heads, head_dim), None
+
+
+# ---- Plans made before the forward (hoist_plans): one slot per layer kind, refilled in place every step ----
+
+_registered: _Attention | None = None  # the attention register() put in transformers' interface
+_hoisted: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # serial -> _Hoisted
+_serials = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Step:
+    """One model call's queries and masks, read to the host: ``masks[name] [batch, qo_len, kv_len]`` bools, by
+    HF's layer type (``None`` for a model with one mask)."""
+
+    batch: int
+    qo_len: int
+    masks: dict
+
+
+class _Slot:
+    """The plan of one layer kind (variant, heads, cache length, dtypes) for the current step."""
+
+    def __init__(self, backend, variant, num_qo_heads, num_kv_heads, head_dim, kv_len, q_dtype, kv_dtype):
+        self.attn = BatchAttention(backend=backend, cuda_graph=True)
+        self.variant, self.kv_len = variant, kv_len
+        self.shape = (num_qo_heads, num_kv_heads, head_dim)
+        self.dtypes = (q_dtype, kv_dtype)
+        self.step = None
+
+    def fits(self, step: _Step) -> bool:
+        """Whether ``step``'s mask for this slot covers its cache's keys."""
+        return step.masks[_mask_name(step.masks, self.variant)].shape[2] >= self.kv_len
+
+    def plan(self, step: _Step) -> None:
+        seen = step.masks[_mask_name(step.masks, self.variant)]
+        if seen.shape[2] < self.kv_len:
+            raise ValueError(f"attention_mask covers {seen.shape[2]} keys; the layer's cache holds {self.kv_len}")
+        layout, variant = _layout_of(seen[:, :, :self.kv_len], step.qo_len, self.kv_len, self.variant)
+        if self.step is None and step.qo_len == 1:
+            # Buffers for a decode step over the whole cache, so that every later decode step fits them.
+            whole = _one_block_per_request(step.batch, 1, np.full(step.batch, self.kv_len), self.kv_len)
+            if layout.custom_mask is not None:
+                whole = dataclasses.replace(whole, custom_mask=np.ones(step.batch * self.kv_len, dtype=bool))
+            self._plan(whole, variant)
+        self._plan(layout, variant)
+        self.step = step
+
+    def _plan(self, layout, variant):
+        self.attn.plan(layout, *self.shape, variant=variant, q_dtype=self.dtypes[0], kv_dtype=self.dtypes[1],
+                       kv_layout="HND")
+
+
+def _mask_name(masks: dict, variant: Variant):
+    """Which of a step's masks a layer of ``variant`` reads: the only one, or HF's layer type's."""
+    if None in masks:
+        return None
+    name = "sliding_attention" if variant.window_left >= 0 else "full_attention"
+    if name not in masks:
+        raise ValueError(f"attention_mask holds masks for the layer types {sorted(masks)}; a layer with "
+                         f"window_left={variant.window_left} reads the {name!r} one")
+    return name
+
+
+class _Hoisted:
+    """One model's plans, made by the hook before each forward (:func:`hoist_plans`)."""
+
+    def __init__(self, attention: _Attention):
+        self.attention = attention
+        self.serial = next(_serials)
+        _hoisted[self.serial] = self
+        self.step: _Step | None = None
+        self.slots: dict = {}  # (variant, heads, head_dim, cache length, dtypes, device) -> _Slot
+        self.kinds: dict = {}  # the same keys -> a function making the slot: the layers of the last unplanned call
+        self.guard = ""
+        self._side = None  # the CUDA stream a slot first met inside a forward is made on (attend)
+
+    def kind(self, variant, query, key):
+        """The slot key of a layer of ``variant`` called with ``query`` and ``key``; remembered, with how to make
+        its slot, for the hook to make it before the next step it plans."""
+        num_qo_heads, head_dim, num_kv_heads, kv_len = query.shape[1], query.shape[3], key.shape[1], key.shape[2]
+        slot_key = (variant, num_qo_heads, num_kv_heads, head_dim, kv_len, query.dtype, key.dtype, query.device)
+        if slot_key not in self.kinds:
+            self.kinds[slot_key] = partial(_Slot, get_backend(self.attention.backend), variant, num_qo_heads,
+                                           num_kv_heads, head_dim, kv_len, query.dtype, key.dtype)
+        return slot_key
+
+    def before_forward(self, module, args, kwargs):
+        kwargs = {name: value for name, value in kwargs.items() if name != STEP_KWARG}
+        mask = kwargs.get("attention_mask")
+        masks = mask if isinstance(mask, dict) else {None: mask}
+        if not all(isinstance(m, torch.Tensor) and m.ndim == 4 for m in masks.values()):
+            # The model builds its masks inside: the eager path plans each step, and tells this hook the layers'
+            # kinds, so that their slots exist before a compiled call (``kind``).
+            self.step, self.kinds = None, {}
+            kwargs[STEP_KWARG] = str(self.serial)
+            return args, kwargs
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs["inputs_embeds"]
+        batch, qo_len = tokens.shape[:2]
+        self.step = _Step(batch, qo_len, {name: _visible(m, batch, qo_len, m.shape[-1]) for name, m in masks.items()})
+        for slot_key, make in self.kinds.items():
+            if slot_key not in self.slots:
+                self.slots[slot_key] = make()
+        # A slot over more keys than its mask covers is an earlier cache's (another generate's): dropped.
+        self.slots = {key: slot for key, slot in self.slots.items() if slot.fits(self.step)}
+        for slot in self.slots.values():
+            slot.plan(self.step)
+        # What a graph captured on the slots' buffers recorded: a change compiles the forward again.
+        self.guard = f"{self.serial}:" + ";".join(repr(slot.attn.graph_key) for slot in self.slots.values())
+        kwargs[STEP_KWARG] = self.guard
+        return args, kwargs
+
+    def attend(self, query, key, value, guard, scaling, window_left, soft_cap, causal, s_aux):
+        if guard != self.guard or self.step is None:
+            raise RuntimeError(f"the attention was called with {STEP_KWARG}={guard!r}, not the step the hook "
+                               f"before the forward planned last ({self.guard!r})")
+        batch, num_qo_heads, qo_len, head_dim = query.shape
+        if (batch, qo_len) != (self.step.batch, self.step.qo_len):
+            raise ValueError(f"query has batch {batch} and {qo_len} tokens; the step was planned for "
+                             f"{self.step.batch} and {self.step.qo_len}")
+        variant = Variant(sm_scale=scaling, causal=causal, window_left=window_left, logits_soft_cap=soft_cap,
+                          sinks=None if s_aux is None else self.attention.sinks(s_aux))
+        slot_key = self.kind(variant, query, key)
+        slot = self.slots.get(slot_key)
+        if slot is None or slot.step is not self.step:
+            if query.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("a CUDA graph capture reached a layer the hook before the forward has not "
+                                   "planned; run the model once without capturing first")
+            with self._outside_graph_pools(query.device):
+                if slot is None:
+                    slot = self.slots[slot_key] = self.kinds[slot_key]()
+                slot.plan(self.step)
+        out = slot.attn.run(query.transpose(1, 2).reshape(batch * qo_len, num_qo_heads, head_dim), key, value)
+        return out.reshape(batch, qo_len, num_qo_heads, head_dim)
+
+    @contextlib.contextmanager
+    def _outside_graph_pools(self, device):
+        """Where a slot first met inside a forward gets its buffers: on a CUDA stream of its own, so that they do
+        not come from the memory pool of a CUDA graph being recorded (``torch.compile``'s warm-up run allocates
+        on its stream from the pool it later captures into, and refuses buffers that outlive the run)."""
+        if device.type != "cuda":
+            yield
+            return
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        self._side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._side):
+            yield
+        torch.cuda.current_stream(device).wait_stream(self._side)
+
+
+@torch.library.custom_op("bsrattn::hf_attention", mutates_args=())
+def _hf_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step: str, scaling: float | None,
+                  window_left: int, soft_cap: float, causal: bool, s_aux: torch.Tensor | None) -> torch.Tensor:
+    """A layer's attention over the plan the hook made for this step: ``[B, S_q, Hq, D]`` from HF's ``query [B,
+    Hq, S_q, D]`` and cache ``key``, ``value [B, Hkv, S_kv, D]``."""
+    return _hoisted_attention(query, key, value, step, scaling, window_left, soft_cap, causal, s_aux)
+
+
+@_hf_attention.register_fake
+def _(query, key, value, step, scaling, window_left, soft_cap, causal, s_aux):
+    batch, num_qo_heads, qo_len, head_dim = query.shape
+    return query.new_empty((batch, qo_len, num_qo_heads, head_dim))
+
+
+def _hoisted_attention(query, key, value, step, scaling, window_left, soft_cap, causal, s_aux):
+    return _hoisted_state(step).attend(query, key, value, step, scaling, window_left, soft_cap, causal, s_aux)
+
+
+def _hoisted_state(step: str) -> _Hoisted:
+    """The hook's state that passed ``step`` (its serial, then ``:`` and the guard where it planned the step)."""
+    hoisted = _hoisted.get(int(step.split(":", 1)[0]))
+    if hoisted is None:
+        raise RuntimeError(f"{STEP_KWARG}={step!r} names no model's hoisted plans (its hook was removed)")
+    return hoisted
