@@ -406,6 +406,22 @@ class Suite:
         rec["check_graph"] = correctness.check_output(y, **checking)
         return rec["check_graph"]["ok"]
 
+    def measure_timed(self, config: dict, impl: str, build, *, needs_cuda=False) -> dict | None:
+        """Host times that ``fn()`` (``build() -> fn``) measures itself, ``fn() -> (samples in µs, fields)``: a
+        whole ``generate`` timed around its own synchronisation, say; ``fields`` join the record."""
+        rec, fn = self._build(config, impl, build, needs_cuda)
+        if fn is None:
+            return rec
+        try:
+            times, fields = fn()
+        except Exception as exc:
+            self._recover()
+            return self.add({**rec, "status": "error", "stage": "host", "reason": _short(exc),
+                             "traceback": traceback.format_exc(limit=6)})
+        rec.update(fields, host=timing.stats(times), time_mode="host")
+        rec["time_us"] = rec["host"]["median_us"]
+        return self.add(rec)
+
     def measure_host(self, config: dict, impl: str, build, *, samples=None, needs_cuda=False) -> dict | None:
         """Host wall time of ``fn()`` (``build() -> fn``), with a device synchronize so copies are counted."""
         rec, fn = self._build(config, impl, build, needs_cuda)

@@ -205,7 +205,7 @@ def plot_w8(payload, fig):
 
 
 def plot_w9(payload, fig):
-    recs = _ok(payload["records"])
+    recs = [r for r in _ok(payload["records"]) if "new_tokens" not in r["config"]]  # the decode steps
     labels = _configs(recs)
     series = {impl: {config_label(r["config"]): r["time_us"] / 1e3 for r in recs if r["impl"] == impl}
               for impl in _impls(recs)}

@@ -199,20 +199,32 @@ def table_w8(payload) -> list:
 
 
 def table_w9(payload) -> list:
-    """Milliseconds per decode step (one token for every request of the batch), and SDPA's over bsrattn's."""
-    table = Table(payload["records"])
+    """Milliseconds per decode step (one token for every request of the batch), the best transformers row's over
+    the best bsrattn row's, then the throughput runs' tokens per second."""
+    steps = [r for r in payload["records"] if "new_tokens" not in r["config"]]
+    table = Table(steps)
 
     def ms(rec) -> str:
-        return f"{rec['time_us'] / 1e3:.2f}"
+        text = f"{rec['time_us'] / 1e3:.2f}"
+        return text if rec.get("tokens_as_sdpa") is None else f"{text} ({rec['tokens_as_sdpa']:.2f})"
 
-    def speedup(row):
+    def best_over_best(row):
         recs = table.rows[row]
-        return _speedup(recs.get("sdpa"), next((r for name, r in recs.items() if name.startswith("bsrattn")), None))
+        ours = _best(r for name, r in recs.items() if name.startswith("bsrattn"))
+        return _speedup(_best(r for name, r in recs.items() if not name.startswith("bsrattn")), ours)
 
-    header = ["configuration"] + [f"{c} ms" for c in table.columns] + ["SDPA / bsrattn"]
-    lines = [[row] + [table.cell(row, c, ms) for c in table.columns] + [speedup(row)] for row in table.rows]
-    return (["Host ms per decode step of the whole model (a token for each request), synchronized:", ""]
-            + markdown(header, lines) + _notes(table))
+    header = ["configuration"] + [f"{c} ms" for c in table.columns] + ["best transformers / best bsrattn"]
+    lines = [[row] + [table.cell(row, c, ms) for c in table.columns] + [best_over_best(row)] for row in table.rows]
+    out = (["Host ms per decode step of the whole model (a token for each request), synchronized; in brackets the "
+            "mean fraction of a request's new tokens before its first unlike SDPA's `generate`:", ""]
+           + markdown(header, lines) + _notes(table))
+    runs = Table([r for r in payload["records"] if "new_tokens" in r["config"]])
+    if runs.rows:
+        lines = [[row] + [runs.cell(row, c, lambda r: f"{r['tokens_per_s']:.0f}") for c in runs.columns]
+                 for row in runs.rows]
+        out += ["", "Tokens per second of a whole greedy run, prefill included:", ""]
+        out += markdown(["configuration"] + [f"{c} tok/s" for c in runs.columns], lines) + _notes(runs)
+    return out
 
 
 def table_w10(payload) -> list:

@@ -18,6 +18,12 @@ reads only the ``B`` pages whose keys could score highest against its queries (:
 Quest from each page's key minimum and maximum) through a :func:`bsrattn.layouts.quest` layout over the pool
 stored HND and viewed per head; prefills attend in full. Exact when ``B`` covers a request's pages.
 
+**Decode steps as CUDA graphs** (``generate(..., graphs=True)``, on a GPU): a step whose every request adds one
+token runs the whole forward, every layer's projections, cache writes and attention, as one replayed CUDA graph
+(:class:`DecodeGraphs`, one per batch size). The step's plan is made before the replay, outside the graph, into
+buffers sized once for the whole pool (``BatchAttention(cuda_graph=True)``), so a re-plan refills them and the
+graph replays it; the graph is captured again only when the plan's ``graph_key`` says it must.
+
 **Speculative tree decoding** (:func:`generate_speculative`): each running request's step is a draft tree
 (prompt lookup by default, :func:`propose`) under a tree mask (:func:`bsrattn.layouts.tree`; a joining
 request's prompt is a chain), verified in one forward; the longest branch the model itself would have chosen
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 from functools import partial
 
+import numpy as np
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -47,7 +54,8 @@ SYSTEM = "system"
 class PagedModel:
     """A Llama-family ``transformers`` causal LM run step by step over a paged KV cache."""
 
-    def __init__(self, model, num_pages: int, page_size: int = 16, backend=None, kv_layout: str = "NHD"):
+    def __init__(self, model, num_pages: int, page_size: int = 16, backend=None, kv_layout: str = "NHD",
+                 graphs: bool = False):
         config = model.config
         self.model = model
         self.heads = config.num_attention_heads
@@ -59,6 +67,7 @@ class PagedModel:
         self.quest_attention = ba.BatchAttention(backend=backend)
         self.variant = ba.Variant(sm_scale=model.model.layers[0].self_attn.scaling, causal=True)
         self.dtype = str(model.dtype).removeprefix("torch.")
+        self.graphs = DecodeGraphs(self) if graphs else None
 
     @torch.no_grad()
     def step(self, chunks, prefix=None, quest_budget=None) -> torch.Tensor:
@@ -82,6 +91,9 @@ class PagedModel:
                     for r, n in zip(requests, qo_lens)]
         slots = torch.cat([self.cache.extend(r, n) for r, n in zip(requests, qo_lens)])
         rows = torch.as_tensor(qo_lens).cumsum(0) - 1
+        ids = torch.cat([ids.to(self.model.device) for _, ids in chunks])
+        if self.graphs is not None and prefix is None and quest_budget is None and max(qo_lens) == 1:
+            return self.graphs.run(ids, positions, slots, self.cache.layout(requests, qo_lens))
         if any(decoding):
             decode = [(r, int(row)) for r, row, d in zip(requests, rows, decoding) if d]
             rest = [(r, n) for r, n, d in zip(requests, qo_lens, decoding) if not d]
@@ -94,8 +106,7 @@ class PagedModel:
             self._plan(self.cache.layout(requests, qo_lens) if prefix is None
                        else self.cache.cascade(prefix, requests, qo_lens))
             attend = self._attend
-        return self._forward(torch.cat([ids.to(self.model.device) for _, ids in chunks]), positions, slots, rows,
-                             attend)
+        return self._forward(ids, positions, slots, rows, attend)
 
     @torch.no_grad()
     def step_trees(self, trees) -> torch.Tensor:
@@ -119,9 +130,10 @@ class PagedModel:
         ids = torch.cat([ids.to(self.model.device) for _, ids, _ in trees])
         return self._forward(ids, torch.cat(positions), torch.cat(slots), torch.arange(ids.numel()), self._attend)
 
-    def _plan(self, layout):
-        self.attention.plan(layout, self.heads, self.kv_heads, self.head_dim, variant=self.variant,
-                            q_dtype=self.dtype, kv_dtype=self.dtype, kv_layout=self.cache.kv_layout)  # for every layer
+    def _plan(self, layout, attention=None):
+        attention = attention or self.attention
+        attention.plan(layout, self.heads, self.kv_heads, self.head_dim, variant=self.variant,
+                       q_dtype=self.dtype, kv_dtype=self.dtype, kv_layout=self.cache.kv_layout)  # for every layer
 
     def _attend(self, layer, q):
         """``q [n, Hq, D]`` through the step's plan over layer ``layer``'s pool."""
@@ -154,6 +166,63 @@ class PagedModel:
             h = h + attn.o_proj(o.reshape(nnz, self.heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(inner.norm(h[last_rows]))
+
+
+class DecodeGraphs:
+    """An engine's decode steps (one new token per request) replayed as CUDA graphs, one per batch size.
+
+    A graph records the forward over fixed input tensors (token ids, positions, cache slots) and over the plan
+    buffers of its own :class:`~bsrattn.BatchAttention` (``cuda_graph=True``): each step copies its inputs in,
+    plans outside the graph (the buffers are refilled in place) and replays. Before its first capture the plan is
+    sized for a step over every page of the pool, so later steps fit; a graph is captured again only when the
+    plan's :attr:`~bsrattn.BatchAttention.graph_key` changes.
+    """
+
+    def __init__(self, engine: PagedModel):
+        self.engine = engine
+        self.attention = ba.BatchAttention(backend=engine.attention.backend, cuda_graph=True)
+        self.graphs: dict = {}  # batch size -> (graph, graph key, ids, positions, slots, logits, rows)
+        self.captures = 0  # graphs captured so far
+
+    def run(self, ids, positions, slots, layout) -> torch.Tensor:
+        """The step's logits ``[batch, vocab]`` (the graph's output tensor, overwritten by the next replay)."""
+        batch = ids.numel()
+        if batch not in self.graphs:  # buffers for any step of this batch over the pool, before a graph holds them
+            pages = self.engine.cache.num_pages
+            tables = np.array_split(np.arange(pages), batch)
+            full = ba.layouts.paged([1] * batch, tables, [len(t) * self.engine.cache.page_size for t in tables],
+                                    self.engine.cache.page_size, pages)
+            self.engine._plan(full, self.attention)
+        self.engine._plan(layout, self.attention)
+        entry = self.graphs.get(batch)
+        if entry is None or entry[1] != self.attention.graph_key:
+            entry = self.graphs[batch] = self._capture(ids, positions, slots)
+        for static, given in zip(entry[2:5], (ids, positions, slots)):
+            static.copy_(given, non_blocking=True)
+        entry[0].replay()
+        return entry[5]
+
+    def _capture(self, ids, positions, slots):
+        device = self.engine.model.device
+        static = [x.to(device, copy=True) for x in (ids, positions, slots)]
+        rows = torch.arange(ids.numel(), device=device)
+
+        def forward():
+            return self.engine._forward(*static, rows, self._attend)
+
+        side = torch.cuda.Stream()  # one eager run first (kernels compiled, workspaces made), as capture needs
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = forward()
+        self.captures += 1
+        return graph, self.attention.graph_key, *static, logits, rows  # the graph reads every input it was given
+
+    def _attend(self, layer, q):
+        return self.attention.run(q, self.engine.cache.k[layer], self.engine.cache.v[layer])
 
 
 def select_pages(cache, layer, request, q, budget) -> list:
@@ -194,13 +263,15 @@ def _eos_tokens(model) -> set:
 
 
 def generate(model, prompts, max_new_tokens, *, arrivals=None, system_prompt=None, quest_budget=None,
-             num_pages=64, page_size=16, backend=None) -> list:
+             num_pages=64, page_size=16, backend=None, graphs=False) -> list:
     """Greedy continuous batching: request ``i`` joins at step ``arrivals[i]`` with ``prompts[i]`` (token ids),
     continuing ``system_prompt`` when given, and leaves once it has ``max_new_tokens[i]`` new tokens or has
     produced an end-of-sequence token (the model's ``generation_config``), as ``model.generate`` stops; returns
     each request's new tokens. With a ``quest_budget``, decode steps read only that many pages per KV head and
-    layer (:func:`select_pages`), an approximation that is exact once the budget covers a request's pages."""
-    engine = PagedModel(model, num_pages, page_size, backend, kv_layout="NHD" if quest_budget is None else "HND")
+    layer (:func:`select_pages`), an approximation that is exact once the budget covers a request's pages. With
+    ``graphs`` (a CUDA device), steps of one new token per request replay a CUDA graph (:class:`DecodeGraphs`)."""
+    engine = PagedModel(model, num_pages, page_size, backend, kv_layout="NHD" if quest_budget is None else "HND",
+                        graphs=graphs)
     eos = _eos_tokens(model)
     arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
     prefix = None
@@ -217,8 +288,8 @@ def generate(model, prompts, max_new_tokens, *, arrivals=None, system_prompt=Non
             chunks.append((i, torch.as_tensor(prompts[i])))
         if chunks:
             logits = engine.step(chunks, prefix, quest_budget)
-            for (i, _), row in zip(chunks, logits):
-                tokens[i].append(int(row.argmax()))
+            for (i, _), token in zip(chunks, logits.argmax(-1).tolist()):  # one copy to the host a step
+                tokens[i].append(token)
             running = [i for i, _ in chunks if len(tokens[i]) < max_new_tokens[i] and tokens[i][-1] not in eos]
             for i, _ in chunks:
                 if i not in running:

@@ -12,6 +12,8 @@ H200 with::
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -150,6 +152,48 @@ def test_cuda_graph_replays_across_replans(variant):
         assert torch.equal(out, eager_o) and torch.equal(lse, eager_lse), f"step {step}: replay != eager"
         assert_matches_reference((out, lse), q, k, v, layout(lens), "float16", variant=variant,
                                  name=f"replay step {step}")
+
+
+def test_a_cuda_graph_object_replays_a_plan_that_splits_after_a_capture_on_one_that_does_not():
+    """``BatchAttention(cuda_graph=True)``: captured on a decode plan that splits no row (the kernel a plan
+    without merges would otherwise get), replayed after re-plans that split, with no warning; the default object
+    warns on the same re-plan, as its captured kernel has no merges."""
+    rng = np.random.default_rng(8)
+    batch, max_len = 48, 4096
+    num_pages = batch * max_len // PAGE
+    tables = rng.permutation(num_pages).reshape(batch, -1)
+
+    def layout(lens):
+        return ba.layouts.paged([1] * batch, tables, lens, PAGE, num_pages)
+
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+    short = [64] * batch
+    for cuda_graph in (True, False):
+        out, lse = torch.empty_like(q), torch.empty(batch, HQ, device="cuda")
+        attn = ba.BatchAttention(backend="torch", cuda_graph=cuda_graph)
+        attn.plan(layout([max_len] * batch), HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+        attn.plan(layout(short), HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+        assert attn.work_plans[0].num_merges == 0
+        attn.run(q, k, v, out=out, lse=lse)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            attn.run(q, k, v, out=out, lse=lse)
+        key = attn.graph_key
+        lens = [max_len] + [1] * (batch - 1)  # one long row: split over the CTAs
+        if not cuda_graph:
+            with pytest.warns(RuntimeWarning, match="without merges"):
+                attn.plan(layout(lens), HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            attn.plan(layout(lens), HQ, HKV, D, q_dtype="float16", kv_dtype="float16")
+        assert attn.work_plans[0].num_merges > 0 and attn.graph_key == key
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference((out, lse), q, k, v, layout(lens), "float16", name="replay of a split plan")
 
 
 # ---- prefill plans that split no row: the item kernel (item_kernel.py) -------------------------------------

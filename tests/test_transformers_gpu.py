@@ -113,3 +113,62 @@ def test_the_paged_loop_on_the_gpu_gives_generates_tokens(small_llama, system_le
     got = paged_generation.generate(small_llama, prompts, counts, arrivals=[0, 1, 3, 8], system_prompt=system,
                                     num_pages=64, page_size=16, backend="torch")
     assert got == generate_each(small_llama, prompts, counts, system)
+
+
+# ---- CUDA graphs: transformers' static cache compiled with reduce-overhead, and the paged loop's decode graphs ----
+
+def _left_padded(lengths, seed=5):
+    longest = max(lengths)
+    ids = torch.randint(3, 256, (len(lengths), longest), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, :longest - n], mask[b, :longest - n] = 0, 0
+    return ids.cuda(), mask.cuda()
+
+
+@pytest.mark.parametrize("lengths", [(60, 60, 60), (60, 33, 12)], ids=["full batch", "left-padded"])
+def test_a_static_cache_generate_in_cuda_graphs_replays_its_plans_and_gives_generates_tokens(small_llama, lengths):
+    """``generate`` compiles a static cache's decode step with ``mode="reduce-overhead"``: one graph, captured once
+    and replayed at every later step while the hook re-plans into the same buffers."""
+    from torch._dynamo.utils import counters
+
+    name = bsrattn_hf.register(backend="torch")
+    before = set(bsrattn_hf._hoisted)
+    handle = bsrattn_hf.hoist_plans(small_llama)
+    (state,) = (bsrattn_hf._hoisted[s] for s in set(bsrattn_hf._hoisted) - before)
+    ids, mask = _left_padded(lengths)
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        small_llama.set_attn_implementation(name)
+        with torch.no_grad():
+            ours = small_llama.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                                        cache_implementation="static")
+        graphs = counters["stats"]["unique_graphs"]
+        buffers = [slot.attn._runners[0].buffers for slot in state.slots.values()]
+    finally:
+        handle.remove()
+    small_llama.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = small_llama.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, want)
+    assert buffers and all(b.captured for b in buffers), "the decode steps must run inside a captured CUDA graph"
+    assert graphs == 1, f"{graphs} graphs compiled: every decode step must replay the first"
+
+
+def test_the_paged_loop_with_decode_graphs_gives_generates_tokens(small_llama, monkeypatch):
+    """Requests join and leave, so decode batches of several sizes each get a graph, replayed across re-plans."""
+    captures = []
+    capture = paged_generation.DecodeGraphs._capture
+
+    def counted(self, *args):
+        captures.append(args[0].numel())
+        return capture(self, *args)
+
+    monkeypatch.setattr(paged_generation.DecodeGraphs, "_capture", counted)
+    small_llama.set_attn_implementation("sdpa")
+    prompts, counts = _prompts((50, 130, 9, 70)), [12, 9, 14, 6]
+    got = paged_generation.generate(small_llama, prompts, counts, arrivals=[0, 1, 3, 8], num_pages=64,
+                                    page_size=16, backend="torch", graphs=True)
+    assert got == generate_each(small_llama, prompts, counts)
+    assert captures and len(captures) == len(set(captures)), f"one capture per batch size: {captures}"
