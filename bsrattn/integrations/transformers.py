@@ -449,20 +449,21 @@ class _Hoisted:
         self.serial = next(_serials)
         _hoisted[self.serial] = self
         self.step: _Step | None = None
-        self.slots: dict = {}  # (variant, heads, head_dim, cache length, dtypes, device) -> _Slot
-        self.kinds: dict = {}  # the same keys -> a function making the slot: the layers of the last unplanned call
+        self.slots: dict = {}  # a layer kind (see ``kind``) and whether the step decodes -> _Slot
+        self.kinds: dict = {}  # a layer kind -> a function making its slot
         self.guard = ""
         self._side = None  # the CUDA stream a slot first met inside a forward is made on (attend)
 
     def kind(self, variant, query, key):
-        """The slot key of a layer of ``variant`` called with ``query`` and ``key``; remembered, with how to make
-        its slot, for the hook to make it before the next step it plans."""
+        """The kind of a layer of ``variant`` called with ``query`` and ``key`` (variant, heads, head_dim, cache
+        length, dtypes, device); remembered, with how to make its slot, for the hook to make one before the next
+        step it plans."""
         num_qo_heads, head_dim, num_kv_heads, kv_len = query.shape[1], query.shape[3], key.shape[1], key.shape[2]
-        slot_key = (variant, num_qo_heads, num_kv_heads, head_dim, kv_len, query.dtype, key.dtype, query.device)
-        if slot_key not in self.kinds:
-            self.kinds[slot_key] = partial(_Slot, get_backend(self.attention.backend), variant, num_qo_heads,
-                                           num_kv_heads, head_dim, kv_len, query.dtype, key.dtype)
-        return slot_key
+        kind = (variant, num_qo_heads, num_kv_heads, head_dim, kv_len, query.dtype, key.dtype, query.device)
+        if kind not in self.kinds:
+            self.kinds[kind] = partial(_Slot, get_backend(self.attention.backend), variant, num_qo_heads,
+                                       num_kv_heads, head_dim, kv_len, query.dtype, key.dtype)
+        return kind
 
     def before_forward(self, module, args, kwargs):
         kwargs = {name: value for name, value in kwargs.items() if name != STEP_KWARG}
@@ -479,15 +480,17 @@ class _Hoisted:
             tokens = kwargs["inputs_embeds"]
         batch, qo_len = tokens.shape[:2]
         self.step = _Step(batch, qo_len, {name: _visible(m, batch, qo_len, m.shape[-1]) for name, m in masks.items()})
-        for slot_key, make in self.kinds.items():
-            if slot_key not in self.slots:
-                self.slots[slot_key] = make()
+        decode = qo_len == 1  # decode steps and prefills plan slots of their own: a graph holds the first only
+        for kind, make in self.kinds.items():
+            if kind + (decode,) not in self.slots:
+                self.slots[kind + (decode,)] = make()
         # A slot over more keys than its mask covers is an earlier cache's (another generate's): dropped.
         self.slots = {key: slot for key, slot in self.slots.items() if slot.fits(self.step)}
-        for slot in self.slots.values():
+        planned = [slot for key, slot in self.slots.items() if key[-1] == decode]
+        for slot in planned:
             slot.plan(self.step)
         # What a graph captured on the slots' buffers recorded: a change compiles the forward again.
-        self.guard = f"{self.serial}:" + ";".join(repr(slot.attn.graph_key) for slot in self.slots.values())
+        self.guard = f"{self.serial}:" + ";".join(repr(slot.attn.graph_key) for slot in planned)
         kwargs[STEP_KWARG] = self.guard
         return args, kwargs
 
@@ -501,7 +504,8 @@ class _Hoisted:
                              f"{self.step.batch} and {self.step.qo_len}")
         variant = Variant(sm_scale=scaling, causal=causal, window_left=window_left, logits_soft_cap=soft_cap,
                           sinks=None if s_aux is None else self.attention.sinks(s_aux))
-        slot_key = self.kind(variant, query, key)
+        kind = self.kind(variant, query, key)
+        slot_key = kind + (qo_len == 1,)
         slot = self.slots.get(slot_key)
         if slot is None or slot.step is not self.step:
             if query.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -509,7 +513,7 @@ class _Hoisted:
                                    "planned; run the model once without capturing first")
             with self._outside_graph_pools(query.device):
                 if slot is None:
-                    slot = self.slots[slot_key] = self.kinds[slot_key]()
+                    slot = self.slots[slot_key] = self.kinds[kind]()
                 slot.plan(self.step)
         out = slot.attn.run(query.transpose(1, 2).reshape(batch * qo_len, num_qo_heads, head_dim), key, value)
         return out.reshape(batch, qo_len, num_qo_heads, head_dim)
