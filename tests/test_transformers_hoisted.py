@@ -38,7 +38,13 @@ def _llama(name):
 @pytest.fixture
 def hoisted(request):
     """A model with its plans hoisted, on the reference tier (or the parameter's), and the hook's state."""
-    name = bsrattn_hf.register(backend=getattr(request, "param", "reference"))
+    backend = getattr(request, "param", "reference")
+    if backend == "torch":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the torch tier plans on the GPU here, and this model is on the CPU: "
+                        "test_transformers_gpu.py runs it there, in CUDA graphs")
+    name = bsrattn_hf.register(backend=backend)
     model = _llama(name)
     before = set(bsrattn_hf._hoisted)
     handle = bsrattn_hf.hoist_plans(model)
@@ -86,11 +92,6 @@ def test_a_compiled_static_cache_generate_gives_sdpas_tokens_in_one_graph(hoiste
     it for every later one, the left pad's custom mask growing with the cache included."""
     from torch._dynamo.utils import counters
 
-    if bsrattn_hf._registered.backend == "torch":
-        pytest.importorskip("triton")
-        if torch.cuda.is_available():
-            pytest.skip("the torch tier plans on the GPU here, and this model is on the CPU: "
-                        "test_transformers_gpu.py runs it there, in CUDA graphs")
     model, state = hoisted
     ids, mask = _padded((9, 5), seed=6)
     torch._dynamo.reset()
@@ -137,7 +138,6 @@ def test_the_layers_of_an_unplanned_call_have_their_plans_before_the_next_planne
 def test_a_prefill_between_decode_steps_leaves_their_plan_and_graph_key_alone(hoisted):
     """A new prompt's prefill needs more room (its custom mask) than the decode steps' buffers hold: it is planned
     into buffers of its own, and the decode steps' graph (captured on theirs) still replays."""
-    pytest.importorskip("triton")
     model, state = hoisted
     ids, mask = _padded((7, 4))
     model.set_attn_implementation(bsrattn_hf.NAME)
