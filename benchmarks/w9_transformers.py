@@ -118,20 +118,24 @@ def hf_spread(model, prompt) -> float:
         torch.cuda.empty_cache()  # after the handler: its frames' tensors are freed by then
 
 
+def unless_out_of_memory(what, fn):
+    """``fn()``, or :class:`harness.Unavailable` naming ``what`` when it runs out of GPU memory."""
+    import torch
+
+    try:
+        return fn()
+    except torch.OutOfMemoryError as exc:
+        oom = str(exc).splitlines()[0]
+    torch.cuda.empty_cache()  # after the handler: its frames' tensors are freed by then
+    raise harness.Unavailable(f"{what} does not fit in GPU memory ({oom})")
+
+
 def build(model, implementation, prompt, tolerance):
     """One timed decode step, the cache one token longer after each, once checked against SDPA's."""
     import torch
 
-    try:
-        got = decode_logits(model, implementation, prompt)
-    except torch.OutOfMemoryError as exc:
-        oom = str(exc).splitlines()[0]
-    else:
-        oom = None
-    if oom is not None:
-        torch.cuda.empty_cache()  # after the handler: its frames' tensors are freed by then
-        raise harness.Unavailable(f"{implementation} attention's prefill at {tuple(prompt.shape)} does not fit in "
-                                  f"GPU memory ({oom})")
+    got = unless_out_of_memory(f"{implementation} attention's prefill at {tuple(prompt.shape)}",
+                               partial(decode_logits, model, implementation, prompt))
     want = decode_logits(model, "sdpa", prompt)
     err = float((got - want).abs().max())
     if not err <= tolerance:
@@ -239,15 +243,8 @@ def build_generate(model, implementation, prompt, counts, tolerance, reference, 
     ids, mask, _ = left_padded(prompt)
     handle = hoist(model) if hoist else None
     try:
-        try:
-            out = generate_with(model, implementation, ids, mask, counts[1], counts[1], static)
-        except torch.OutOfMemoryError as exc:
-            oom = str(exc).splitlines()[0]
-        else:
-            oom = None
-        if oom is not None:
-            torch.cuda.empty_cache()  # after the handler: its frames' tensors are freed by then
-            raise harness.Unavailable(f"{implementation} at {tuple(ids.shape)} does not fit in GPU memory ({oom})")
+        out = unless_out_of_memory(f"{implementation} at {tuple(ids.shape)}", partial(
+            generate_with, model, implementation, ids, mask, counts[1], counts[1], static))
     except BaseException:
         if handle is not None:
             handle.remove()
