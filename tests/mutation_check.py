@@ -76,6 +76,8 @@ REFERENCE = ("tests/test_wrong_implementations.py::test_the_checks_pass_the_refe
 FORMULA = ("tests/test_reference_formula.py::test_the_fast_path_matches_the_formula",)
 NUMBA = ("tests/test_numba_tier.py::test_every_layout_kind", "tests/test_numba_tier.py::test_gqa_ratios_and_storage")
 TORCH = ("tests/test_torch_tier.py::test_variants_with_split_plans",)
+CUDA_GRAPH = ("tests/test_transformers_hoisted.py::"
+              "test_a_cuda_graph_plan_keeps_its_kernel_and_key_across_re_plans_that_fit",)
 FLOAT16_BUDGET = ("tests/test_wrong_implementations.py::test_one_percent_noise_in_float16_is_rejected",
                   "tests/test_wrong_implementations.py::test_a_float16_accumulator_is_rejected")
 COVERAGE = ("tests/test_scheduler.py::test_plan_covers_every_row_and_kv_slot_exactly_once[python]",)
@@ -151,7 +153,8 @@ MUTANTS = (
            ("tests/test_tiers.py::test_fused_rope[reference-rope-decode and append]",)),
     Mutant("fused RoPE keys turned one position late: torch", "bsrattn/torch_cuda/microkernel.py",
            "            k_pos + row.rope_offset, row.rope_freq, q.dtype)",
-           "            k_pos + row.rope_offset + 1, row.rope_freq, q.dtype)", TORCH),
+           "            k_pos + row.rope_offset + 1, row.rope_freq, q.dtype)",
+           ("tests/test_torch_tier.py::test_variants_with_split_plans[fused RoPE, window]",)),
     Mutant("fused RoPE on a cascade: queries at their level's positions, reference", "bsrattn/reference/microkernel.py",
            "q_rot, k_offset = spec.rope_positions[0][qo_start:qo_end], int(spec.rope_positions[1][r])",
            "q_rot, k_offset = q_pos, int(spec.rope_positions[1][r])",
@@ -255,10 +258,14 @@ MUTANTS = (
            ("tests/test_partition_invariance.py::"
             "test_items_of_several_chunks_fold_as_a_plan_cut_at_every_grid_point[causal-reference]",)),
     Mutant("a deterministic kernel without merges for a plan that splits nothing", "bsrattn/torch_cuda/runner.py",
-           "merges=self.work_plan.num_merges > 0 or spec.split_size is not None,",
-           "merges=self.work_plan.num_merges > 0,",
+           "merges=self.work_plan.num_merges > 0 or spec.split_size is not None or spec.cuda_graph,",
+           "merges=self.work_plan.num_merges > 0 or spec.cuda_graph,",
            ("tests/test_partition_invariance.py::"
             "test_a_deterministic_kernel_keeps_its_merges_for_a_plan_that_splits_nothing",)),
+    Mutant("a cuda_graph plan that splits nothing launched without merges", "bsrattn/torch_cuda/runner.py",
+           "spec.split_size is not None or spec.cuda_graph,", "spec.split_size is not None,", CUDA_GRAPH),
+    Mutant("a cuda_graph plan launched on the item kernel", "bsrattn/torch_cuda/runner.py",
+           "item_kernel=0 if spec.cuda_graph else", "item_kernel=0 if False else", CUDA_GRAPH),
     Mutant("a split_size off the tiles accepted", "bsrattn/validation.py", "    if size % SPLIT_ALIGN:", "    if False:",
            ("tests/test_partition_invariance.py::test_bad_deterministic_arguments_are_refused",)),
     Mutant("a row that starts off the chunk grid accepted", "bsrattn/validation.py",

@@ -203,6 +203,12 @@ def test_a_cuda_graph_plan_keeps_its_kernel_and_key_across_re_plans_that_fit():
     plain = ba.BatchAttention(backend="torch")
     plain.plan(_decode([3, 9, 1, 4], 4096), HQ, HKV, D, q_dtype="float16", kv_dtype="float16", kv_layout="HND")
     assert not plain._runners[0].launch_config("float16", "HND", False).merges, "the lighter kernel, by default"
+    prefill = ba.layouts.ragged([64, 64], [64, 64])
+    for graphed in (plain, attn):  # a prefill that splits nothing: the item kernel, unless a graph replays it
+        graphed.plan(prefill, HQ, HKV, D, variant=ba.Variant(causal=True), q_dtype="float16", kv_dtype="float16",
+                     disable_split_kv=True)
+        item_kernel = graphed._runners[0].launch_config("float16", "NHD3", False).item_kernel
+        assert (item_kernel == 0) == graphed.cuda_graph, item_kernel
     masked = _with_mask(_decode([3, 9, 1, 4], 4096))
     attn.plan(masked, HQ, HKV, D, q_dtype="float16", kv_dtype="float16", kv_layout="HND")
     assert attn.graph_key != key, "a custom mask that comes is recorded by a graph"
