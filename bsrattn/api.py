@@ -204,7 +204,7 @@ def attention(q: Array, k: Array, v: Array, layout: BSRLayout | Cascade, *, vari
         attn = BatchAttention(be)
         attn.plan(layout, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, variant=variant, q_dtype=spec.q_dtype,
                   kv_dtype=spec.kv_dtype, kv_layout=kv_layout, rope_positions=rope_positions, deterministic=True,
-                  split_size=split)
+                  split_size=split, head_dim_vo=spec.head_dim_vo)
         return attn.run(q, k, v, out=out, lse=lse, **run_kwargs)
     if isinstance(layout, BSRLayout):
         spec = _one_shot_spec(q, k, v, layout, variant, kv_layout, out, lse, run_kwargs, rope_positions)
@@ -311,7 +311,7 @@ class BatchAttention:
              variant: Variant | None = None, q_dtype: DType | None = None, kv_dtype: DType | None = None,
              kv_layout: str = "NHD", num_ctas: int | None = None, fixed_split_size: int | None = None,
              disable_split_kv: bool = False, rope_positions: tuple | None = None, deterministic: bool = False,
-             split_size: int | None = None) -> None:
+             split_size: int | None = None, head_dim_vo: int | None = None) -> None:
         """Compute the :class:`~bsrattn.scheduler.WorkPlan` for ``layout`` and bind it to this object.
 
         ``num_ctas`` counts CTAs **per KV head**, not in all: every KV head runs the same plan on its own
@@ -346,7 +346,7 @@ class BatchAttention:
         num_qo_heads, num_kv_heads : int
             Query and KV heads (``num_qo_heads % num_kv_heads == 0``).
         head_dim : int
-            The head dimension of ``q``, ``k`` and ``v``.
+            The head dimension of ``q`` and ``k`` (and of ``v`` and ``out``, unless ``head_dim_vo`` says otherwise).
         variant : Variant, optional
             How scores become weights; default ``Variant()``.
         q_dtype, kv_dtype : str or dtype, optional
@@ -367,6 +367,11 @@ class BatchAttention:
         split_size : int, optional
             Deterministic mode's chunk grid: KV slots per chunk, a multiple of 64; default
             ``bsrattn.validation.DEFAULT_SPLIT_SIZE`` (1024). Only with ``deterministic=True``.
+        head_dim_vo : int, optional
+            The head dimension of ``v`` and ``out`` where it is not ``head_dim`` (FlashInfer's ``head_dim_vo``:
+            multi-head latent attention, :mod:`bsrattn.mla`, or a prefill of 192-wide keys and 128-wide values);
+            on the tiers whose kernels take it (:attr:`~bsrattn.backends.Backend.head_dim_vo`). Not with fused
+            RoPE.
 
         Returns
         -------
@@ -394,11 +399,11 @@ class BatchAttention:
         if split is not None:
             if isinstance(layout, Cascade):  # run checks k and v as the levels' pool, then views it per slot
                 checks = [make_spec(level, num_qo_heads, num_kv_heads, head_dim, _level_variant(layout, i, variant),
-                                    q_dtype, kv_dtype, kv_layout) for i, level in enumerate(levels)]
+                                    q_dtype, kv_dtype, kv_layout, head_dim_vo) for i, level in enumerate(levels)]
                 slots_of, kv_layout = kv_layout, "NHD"
             layout = _deterministic_layout(layout, variant, rope_positions)
             levels = (layout,)
-        args = (num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout)
+        args = (num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout, head_dim_vo)
         # The very objects the previous step passed were checked then (identity, not equality: 4.0 == 4).
         same = bool(self._args) and all(map(operator.is_, args, self._args))
         specs, runners = [], []
@@ -409,7 +414,7 @@ class BatchAttention:
             spec = None if previous_spec is None else spec_like(previous_spec, level, level_variant)
             if spec is None:
                 spec = make_spec(level, num_qo_heads, num_kv_heads, head_dim, level_variant, q_dtype, kv_dtype,
-                                 kv_layout)
+                                 kv_layout, head_dim_vo)
             spec = _positioned(layout, i, spec, rope_positions)
             if (spec.split_size, spec.cuda_graph) != (split, self.cuda_graph):
                 spec = replace(spec, split_size=split, cuda_graph=self.cuda_graph)

@@ -68,7 +68,7 @@ TIER_FUNCTIONS = ("attention", "merge_state", "merge_states", "add_states", "pla
 KERNEL_FUNCTIONS = ("attention", "plan_options", "make_runner")
 """What a tier's ``core`` module provides: the functions that run a kernel (the merges stay the tier's)."""
 
-TIER_FLAGS = {"FOLDS_PRIOR": False, "BINDS_RUNS": False, "KERNELS": ("shipped",)}
+TIER_FLAGS = {"FOLDS_PRIOR": False, "BINDS_RUNS": False, "HEAD_DIM_VO": False, "KERNELS": ("shipped",)}
 """What a tier module may declare of itself, with the default for a module that declares nothing; read and
 checked once, when the tier loads:
 
@@ -76,6 +76,9 @@ checked once, when the tier loads:
   query rows folded in by the kernel before it writes (a Cascade's earlier levels, :mod:`bsrattn.api`);
 - ``BINDS_RUNS`` (bool): its runners have ``bind(q, k, v, *, out, lse, return_lse, k_scale, v_scale) ->
   call(q, k, v, out, lse)``, the work that follows from the arguments' kinds done once for a serving loop;
+- ``HEAD_DIM_VO`` (bool): its kernels take ``v`` and ``out`` of another head dimension than ``q`` and ``k``
+  (``AttentionSpec.head_dim_vo``: multi-head latent attention, :mod:`bsrattn.mla`); a ``core`` module declares
+  its own;
 - ``KERNELS`` (tuple): the kernels it runs, of :data:`KERNELS`; ``"core"`` means it has a ``core`` module
   providing :data:`KERNEL_FUNCTIONS`, which neither folds a prior state nor binds runs."""
 
@@ -142,8 +145,9 @@ class Backend:
             missing = [f for f in KERNEL_FUNCTIONS if not callable(getattr(self._runs, f, None))]
             if missing:
                 raise TypeError(f"backend {name!r}: its core ({self._runs.__name__!r}) does not provide {missing}")
-            flags.update(FOLDS_PRIOR=False, BINDS_RUNS=False)
+            flags.update(FOLDS_PRIOR=False, BINDS_RUNS=False, HEAD_DIM_VO=getattr(self._runs, "HEAD_DIM_VO", False))
         self._folds_prior = flags["FOLDS_PRIOR"]
+        self._head_dim_vo = flags["HEAD_DIM_VO"]
         self._binds_runs = flags["BINDS_RUNS"]
 
     def attention(self, spec: AttentionSpec, q: Array, k: Array, v: Array, *, out: Array | None = None,
@@ -182,6 +186,7 @@ class Backend:
             raise ValueError(f"prior: the {self.name!r} tier's {self.kernel} kernel folds no prior state; run "
                              f"without it and fold the states with merge_state")
         folded = {} if prior is None else {"prior": prior}  # a kernel that folds none takes no such argument
+        self._check_widths(spec)
         return self._runs.attention(spec, q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=k_scale,
                                     v_scale=v_scale, **folded)
 
@@ -191,6 +196,19 @@ class Backend:
         query rows that it folds in before writing (``FOLDS_PRIOR``, :data:`TIER_FLAGS`): a Cascade's levels are
         then merged without a launch of their own (:mod:`bsrattn.api`)."""
         return self._folds_prior
+
+    @property
+    def head_dim_vo(self) -> bool:
+        """Whether the kernel takes ``v`` and ``out`` of another head dimension than ``q`` and ``k``
+        (``HEAD_DIM_VO``, :data:`TIER_FLAGS`): ``head_dim_vo`` on :meth:`bsrattn.BatchAttention.plan`, and
+        :mod:`bsrattn.mla`."""
+        return self._head_dim_vo
+
+    def _check_widths(self, spec: AttentionSpec) -> None:
+        if spec.head_dim_vo is not None and not self.head_dim_vo:
+            raise ValueError(f"head_dim_vo={spec.head_dim_vo} (v and out of another head dimension than q and k, "
+                             f"head_dim={spec.head_dim}): the {self.name!r} tier's {self.kernel} kernel takes v "
+                             f"as wide as k; run it on a tier whose kernel takes it (Backend.head_dim_vo)")
 
     @property
     def binds_runs(self) -> bool:
@@ -282,6 +300,7 @@ class Backend:
         runner
             The tier's runner object.
         """
+        self._check_widths(spec)
         return self._runs.make_runner(spec, work_plan, previous=previous)
 
     def __repr__(self):

@@ -123,4 +123,4 @@ def spec_like(previous: AttentionSpec, level: BSRLayout, variant: Variant) -> At
     if previous.variant is not variant and previous.variant != variant:
         return None
     return AttentionSpec(level, previous.num_qo_heads, previous.num_kv_heads, previous.head_dim, previous.variant,
-                         previous.q_dtype, previous.kv_dtype, previous.kv_view)
+                         previous.q_dtype, previous.kv_dtype, previous.kv_view, head_dim_vo=previous.head_dim_vo)

@@ -109,6 +109,13 @@ class AttentionSpec:
     # BatchAttention(cuda_graph=True): every launch is one that runs any later plan of the same buffers, so a CUDA
     # graph captured once replays every re-plan that fits them (a tier with no persistent buffers ignores it).
     cuda_graph: bool = False
+    # The head dimension of v and out when it is not head_dim's (MLA: keys ckv ⊕ kpe, values ckv); None: the same.
+    head_dim_vo: int | None = None
+
+    @property
+    def dim_vo(self) -> int:
+        """The head dimension of ``v`` and ``out``: ``head_dim_vo``, or ``head_dim`` where it is None."""
+        return self.head_dim if self.head_dim_vo is None else self.head_dim_vo
 
     def rope_frame(self) -> tuple:
         """``(q_positions [nnz_qo], kv_offsets [R])`` int64: the position fused RoPE turns each query row at, and
@@ -136,11 +143,12 @@ class AttentionSpec:
             return "NHD3" if len(shape_of(k)) == 3 else "NHD"
         return self.kv_view
 
-    def kv_shape(self, view=None) -> tuple:
-        lay = self.layout
-        return {"NHD": (lay.num_blocks, lay.block_size, self.num_kv_heads, self.head_dim),
-                "HND": (lay.num_blocks, self.num_kv_heads, lay.block_size, self.head_dim),
-                "NHD3": (lay.num_blocks, self.num_kv_heads, self.head_dim)}[view or self.kv_view]
+    def kv_shape(self, view=None, head_dim=None) -> tuple:
+        """The shape of ``k`` stored in ``view`` (default ``kv_view``); of ``v`` with ``head_dim=dim_vo``."""
+        lay, d = self.layout, self.head_dim if head_dim is None else head_dim
+        return {"NHD": (lay.num_blocks, lay.block_size, self.num_kv_heads, d),
+                "HND": (lay.num_blocks, self.num_kv_heads, lay.block_size, d),
+                "NHD3": (lay.num_blocks, self.num_kv_heads, d)}[view or self.kv_view]
 
     def check_run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
         """Raise unless ``q``, ``k``, ``v`` (and ``out``/``lse``, writable) match this spec."""
@@ -160,9 +168,9 @@ class AttentionSpec:
         if shape_of(q) != want_q:
             raise ValueError(f"q has shape {shape_of(q)}, the plan expects [nnz_qo, num_qo_heads, head_dim]={want_q}")
         view = self.kv_view_of(k)
-        for name, x in (("k", k), ("v", v)):
-            if shape_of(x) != self.kv_shape(view):
-                raise ValueError(f"{name} has shape {shape_of(x)}, the plan expects {self.kv_shape(view)} ({view})")
+        for name, x, d in (("k", k, self.head_dim), ("v", v, self.dim_vo)):
+            if shape_of(x) != self.kv_shape(view, d):
+                raise ValueError(f"{name} has shape {shape_of(x)}, the plan expects {self.kv_shape(view, d)} ({view})")
         if not dtypes_checked:
             _check_dtypes(q, k, v, k_scale, v_scale)
         if self.q_dtype is not None and dtype_name(q) != self.q_dtype:
@@ -171,8 +179,9 @@ class AttentionSpec:
             raise TypeError(f"k has dtype {dtype_name(k)}, the plan expects {self.kv_dtype}")
         if self.variant.use_sigmoid and (return_lse or lse is not None):
             raise ValueError("lse is undefined for sigmoid attention (Variant.sigmoid_bias); do not ask for it")
-        if out is not None and shape_of(out) != want_q:
-            raise ValueError(f"out has shape {shape_of(out)}, expected {want_q}")
+        want_out = want_q[:2] + (self.dim_vo,)
+        if out is not None and shape_of(out) != want_out:
+            raise ValueError(f"out has shape {shape_of(out)}, expected [nnz_qo, num_qo_heads, head_dim_vo]={want_out}")
         if out is not None and dtype_name(out) != dtype_name(q):
             raise TypeError(f"out has dtype {dtype_name(out)}, expected q's dtype {dtype_name(q)}")
         if lse is not None and shape_of(lse) != want_q[:2]:
@@ -218,12 +227,12 @@ def _kv_view(k, kv_layout, block_size):
 
 
 def make_spec(layout, num_qo_heads, num_kv_heads, head_dim, variant=None, q_dtype=None, kv_dtype=None,
-              kv_view="NHD") -> AttentionSpec:
+              kv_view="NHD", head_dim_vo=None) -> AttentionSpec:
     """Validate plan-time arguments and return the spec ``run`` is checked against.
 
-    The head counts and ``head_dim`` are ints (NumPy integers too; see the module docstring). ``q_dtype`` and
-    ``kv_dtype`` may be names (``'float16'``), torch dtypes or NumPy dtypes (``np.float16``,
-    ``ml_dtypes.bfloat16``); the spec holds the name.
+    The head counts, ``head_dim`` and ``head_dim_vo`` are ints (NumPy integers too; see the module docstring).
+    ``q_dtype`` and ``kv_dtype`` may be names (``'float16'``), torch dtypes or NumPy dtypes (``np.float16``,
+    ``ml_dtypes.bfloat16``); the spec holds the name. ``head_dim_vo`` equal to ``head_dim`` is held as None.
     """
     if not isinstance(layout, BSRLayout):
         raise TypeError(f"layout must be a BSRLayout, got {type(layout).__name__}")
@@ -233,14 +242,23 @@ def make_spec(layout, num_qo_heads, num_kv_heads, head_dim, variant=None, q_dtyp
     num_qo_heads = as_int("num_qo_heads", num_qo_heads, minimum=1)
     num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
     head_dim = as_int("head_dim", head_dim, minimum=1)
+    if head_dim_vo is not None:
+        head_dim_vo = as_int("head_dim_vo", head_dim_vo, minimum=1)
+        if head_dim_vo == head_dim:
+            head_dim_vo = None
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     variant.check_heads(num_qo_heads, head_dim)
+    if head_dim_vo is not None and variant.use_rope:
+        raise ValueError(f"fused RoPE (rope_theta={variant.rope_theta}) turns q and k as one head of head_dim "
+                         f"{head_dim}; with head_dim_vo={head_dim_vo} (MLA) the rotary part is its own piece (kpe, "
+                         f"q_pe), turned before the call")
     q_dtype = None if q_dtype is None else _dtype_arg("q_dtype", q_dtype, FLOAT_DTYPES)
     kv_dtype = None if kv_dtype is None else _dtype_arg("kv_dtype", kv_dtype, FLOAT_DTYPES + FP8_DTYPES)
     if kv_view not in ("NHD", "HND", "NHD3"):
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_view!r}")
-    return AttentionSpec(layout, num_qo_heads, num_kv_heads, head_dim, variant, q_dtype, kv_dtype, kv_view)
+    return AttentionSpec(layout, num_qo_heads, num_kv_heads, head_dim, variant, q_dtype, kv_dtype, kv_view,
+                         head_dim_vo=head_dim_vo)
 
 
 def check_rope_positions(layout: BSRLayout, variant: Variant, rope_positions) -> tuple | None:
@@ -339,7 +357,7 @@ def spec_from_inputs(q, k, v, layout, variant=None, kv_layout="NHD", **run_kwarg
     _check_dtypes(q, k, v, run_kwargs.get("k_scale"), run_kwargs.get("v_scale"))
     _check_kv_order(shape_of(q)[1], shape_of(k), view, layout.block_size)
     spec = make_spec(layout, shape_of(q)[1], shape_of(k)[head_axis], shape_of(q)[2], variant, dtype_name(q),
-                     dtype_name(k), view)
+                     dtype_name(k), view, head_dim_vo=shape_of(v)[-1] if shape_of(v) else None)
     spec._check_fits(q, k, v, run_kwargs.get("out"), run_kwargs.get("lse"), run_kwargs.get("return_lse", False),
                      dtypes_checked=True)
     return spec

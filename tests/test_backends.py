@@ -158,9 +158,21 @@ def test_backend_exposes_exactly_the_tier_functions():
     public = {name: x for name, x in vars(backends.Backend).items() if not name.startswith("_")}
     assert {name for name, x in public.items() if not isinstance(x, property)} == set(backends.TIER_FUNCTIONS)
     # Beyond them, what a tier declares of itself (TIER_FLAGS): whether its kernels fold a prior state (a Cascade's
-    # levels) and whether its runners bind a serving loop's calls.
-    assert {name for name, x in public.items() if isinstance(x, property)} == {"folds_prior", "binds_runs"}
+    # levels), whether its runners bind a serving loop's calls, and whether they take values narrower than keys.
+    assert {name for name, x in public.items() if isinstance(x, property)} == {"folds_prior", "binds_runs",
+                                                                              "head_dim_vo"}
     assert not ba.get_backend("reference").folds_prior and not ba.get_backend("reference").binds_runs
+
+
+def test_a_tier_that_takes_no_value_narrower_than_its_key_refuses_head_dim_vo(probe):
+    (q, k, v), layout = _inputs()
+    with pytest.raises(ValueError, match=r"head_dim_vo=2 .*the 'probe' tier's shipped kernel takes v as wide as k"):
+        ba.attention(q, k, v[..., :2], layout, backend="probe")
+    attn = ba.BatchAttention(backend="probe")
+    with pytest.raises(ValueError, match=r"head_dim_vo=2 .*the 'probe' tier's shipped kernel"):
+        attn.plan(layout, 2, 1, 4, head_dim_vo=2)
+    assert "attention" not in probe and "make_runner" not in probe, "refused before the tier runs"
+    assert ba.attention(q, k, v[..., :2], layout, backend="reference").shape == (3, 2, 2)
 
 
 @pytest.mark.parametrize("flag, value, message", [("FOLDS_PRIOR", 1, "FOLDS_PRIOR is 1; a tier declares it as a bool"),

@@ -203,7 +203,7 @@ CASES = {
                                r"v_scale must be a positive finite float, got -1.0"),
     # ---- outputs and lse --------------------------------------------------------------------------------
     "out of the wrong shape": (lambda: attention(*arrays(), out=np.zeros((3, 4, 4), f32)), ValueError,
-                               r"out has shape \(3, 4, 4\), expected \(3, 4, 8\)"),
+                               r"out has shape \(3, 4, 4\), expected \[nnz_qo, num_qo_heads, head_dim_vo\]=\(3, 4, 8\)"),
     "out of the wrong dtype": (lambda: attention(*arrays(), out=np.zeros((3, 4, 8))), TypeError,
                                r"out has dtype float64, expected q's dtype float32"),
     "lse of the wrong shape": (lambda: attention(*arrays(), lse=np.zeros((3, 2), f32), return_lse=True), ValueError,

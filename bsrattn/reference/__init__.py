@@ -25,6 +25,8 @@ from bsrattn.reference.merge import sum_states
 from bsrattn.reference.microkernel import attend
 from bsrattn.reference.runner import Runner, attention, make_runner
 
+HEAD_DIM_VO = True  # v and out may be narrower than q and k (multi-head latent attention)
+
 __all__ = ["attention", "attention_rows", "execute", "attend", "kv_as_slots", "merge_state", "merge_states",
            "add_states", "sum_states", "plan_options", "make_runner", "Runner"]
 

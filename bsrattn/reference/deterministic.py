@@ -37,7 +37,7 @@ def attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
 
     Each query row is computed on its own, over the chunk's ``split_size`` slots: those past ``kv_end``, and
     the keys a mask hides, are hidden (score ``-inf``, value 0). Every sum is a NumPy reduction over a length
-    the grid fixes (``head_dim`` for ``q . k``, ``split_size`` for ``sum p`` and ``p . v``), so the state is a
+    the grid fixes (the head dimension for ``q . k``, ``split_size`` for ``sum p`` and ``p . v``), so the state is a
     function of the query, the chunk's keys and positions and what the query sees of them, and of nothing else:
     not the item's other queries, nor where the row ends past the chunk, nor the batch. (The plain path,
     :func:`~bsrattn.reference.microkernel.attend_tiles`, batches queries on BLAS, whose order of summation follows
@@ -52,7 +52,7 @@ def attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
     k_pos = np.arange(kv_start, kv_start + size)
     count = kv_end - kv_start
     k = np.zeros((size, spec.num_kv_heads, spec.head_dim), dtype)
-    v = np.zeros_like(k)
+    v = np.zeros((size, spec.num_kv_heads, spec.dim_vo), dtype)
     k[:count] = gather(k_slots, layout, r, kv_start, kv_end)
     v[:count] = gather(v_slots, layout, r, kv_start, kv_end)
     q = np.asarray(q)[qo_start:qo_end].astype(dtype)
@@ -65,7 +65,7 @@ def attend_chunk(spec, q, k_slots, v_slots, r, qo_start, qo_end, kv_start, kv_en
     finite = np.isfinite(v)
     v_bad = np.repeat(~finite.all(axis=2), group_size, axis=1)                 # [S, Hq]
     mask = layout.row_mask(r)
-    o = np.zeros(q.shape, dtype)
+    o = np.zeros(q.shape[:2] + (spec.dim_vo,), dtype)
     lse = np.full(q.shape[:2], -np.inf, dtype)
     for i in range(q.shape[0]):
         visible = (k_pos < kv_end) & indexing.key_visible(q_pos[i], k_pos, variant.causal, variant.window_left)

@@ -25,10 +25,11 @@ from bsrattn.reference.progress import Progress
 
 
 def execute(work_plan, spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.float64):
-    """Run ``work_plan`` on ``q [nnz_qo, Hq, D]``, ``k, v`` (any accepted storage); ``(o, lse)`` in ``dtype``."""
+    """Run ``work_plan`` on ``q [nnz_qo, Hq, D]``, ``k, v`` (any accepted storage); ``(o [nnz_qo, Hq, Dv], lse)``
+    in ``dtype``, ``Dv`` the head dimension of ``v`` (``spec.dim_vo``)."""
     k_slots = kv_as_slots(k, spec, k_scale, dtype)
     v_slots = kv_as_slots(v, spec, v_scale, dtype)
-    shape = (spec.layout.nnz_qo, spec.num_qo_heads, spec.head_dim)
+    shape = (spec.layout.nnz_qo, spec.num_qo_heads, spec.dim_vo)
     out = np.zeros(shape, dtype)
     lse = np.full(shape[:2], -np.inf, dtype)
     part_o = np.full((work_plan.num_partial_rows,) + shape[1:], np.nan, dtype)

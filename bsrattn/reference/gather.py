@@ -14,14 +14,15 @@ from bsrattn.validation import AttentionSpec
 
 
 def kv_as_slots(x, spec: AttentionSpec, scale=None, dtype=np.float64) -> np.ndarray:
-    """``k`` or ``v`` in any accepted storage as ``[num_slots, num_kv_heads, head_dim]`` in ``dtype``.
+    """``k`` or ``v`` in any accepted storage as ``[num_slots, num_kv_heads, D]`` in ``dtype`` (``D``: its own head
+    dimension, ``v``'s ``spec.dim_vo``).
 
     ``scale`` multiplies the KV after the cast (``k_scale``/``v_scale``, of any KV dtype; 1 when None).
     """
     x = np.asarray(x)
     if spec.kv_view == "HND":
         x = x.transpose(0, 2, 1, 3)
-    x = x.reshape(-1, spec.num_kv_heads, spec.head_dim).astype(dtype, copy=False)
+    x = x.reshape(-1, spec.num_kv_heads, x.shape[-1]).astype(dtype, copy=False)
     if scale is not None:
         x = x * dtype(scale)
     return x

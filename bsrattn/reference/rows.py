@@ -19,11 +19,12 @@ from bsrattn.reference.progress import Progress
 
 
 def attention_rows(spec, q, k, v, *, k_scale=None, v_scale=None, dtype=np.float64):
-    """Each block row's queries over its whole KV; returns ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` in ``dtype``."""
+    """Each block row's queries over its whole KV; returns ``(o [nnz_qo, Hq, Dv], lse [nnz_qo, Hq])`` in ``dtype``
+    (``Dv``: the head dimension of ``v``, ``spec.dim_vo``)."""
     k_slots = kv_as_slots(k, spec, k_scale, dtype)
     v_slots = kv_as_slots(v, spec, v_scale, dtype)
     layout = spec.layout
-    out = np.zeros((layout.nnz_qo, spec.num_qo_heads, spec.head_dim), dtype)
+    out = np.zeros((layout.nnz_qo, spec.num_qo_heads, spec.dim_vo), dtype)
     lse = np.full((layout.nnz_qo, spec.num_qo_heads), -np.inf, dtype)
     progress = Progress("reference attention", int(np.dot(layout.qo_lens, layout.kv_lens)))
     for r in range(layout.num_rows):
