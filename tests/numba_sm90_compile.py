@@ -72,7 +72,8 @@ def _install_recorder():
 def _calls():
     """Representative calls through the public API, ``(description, thunk)``: together they switch on every
     compile-time feature of the attention kernel (each variant feature, custom mask, sigmoid, dense and sparse
-    paths, NHD / HND / 3-D storage, every dtype, GQA ratios, query sub-tiles) and reach every merge kernel."""
+    paths, NHD / HND / 3-D storage, every dtype, GQA ratios, query sub-tiles, values narrower than keys: MLA's
+    small and DeepSeek's shapes) and reach every merge kernel."""
     import bsrattn as ba
 
     rng = np.random.default_rng(0)
@@ -108,6 +109,16 @@ def _calls():
         work_plan = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=4, tile_q=2, fixed_split_size=16)
         return core.make_runner(spec, work_plan).run(q, k, v, return_lse=not variant.use_sigmoid, **run_kwargs)
 
+    def mla(layout, heads, dc, dr, dtype, kernel=None):
+        """Multi-head latent attention (``bsrattn.mla``: keys ``dc + dr`` wide, values ``dc``) on a plan that splits
+        rows: the kernel and the plan's merge with ``head_dim_vo``."""
+        pool = (layout.num_blocks, layout.block_size)
+        q_nope, q_pe = (rng.standard_normal((layout.nnz_qo, heads, n)).astype(dtype) for n in (dc, dr))
+        ckv, kpe = (rng.standard_normal(pool + (n,)).astype(dtype) for n in (dc, dr))
+        attn = ba.BatchMLAAttention(backend="numba", kernel=kernel)
+        attn.plan(layout, heads, dc, dr, variant=ba.Variant(causal=True), num_ctas=4, fixed_split_size=16)
+        return attn.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+
     paged = ba.layouts.paged([1, 3, 2], [[5, 1, 7], [0, 3], [6, 4]], [40, 20, 30], 16, 8)
     tree = ba.layouts.tree([[-1, 0, 0, 1]], [[2, 0, 1]], [40], 16, 3)
     ragged = ba.layouts.ragged([4, 1], [60, 9])
@@ -127,6 +138,8 @@ def _calls():
                                                  backend="numba")),
         ("quest fp32, GQA 4", lambda: quest_decode(2, 4, np.float32)),
         ("quest fp16 decode, 32 heads (W1)", lambda: quest_decode(32, 1, np.float16)),
+        ("MLA fp16, keys 24 values 16", lambda: mla(paged, 8, 16, 8, np.float16)),
+        ("MLA bf16, DeepSeek 576/512, 16 heads", lambda: mla(paged, 16, 512, 64, ml_dtypes.bfloat16)),
         ("merge_state fp16", lambda: ba.merge_state(
             np.zeros((3, 8, d), np.float16), np.zeros((3, 8), np.float32), np.ones((3, 8, d), np.float16),
             np.zeros((3, 8), np.float32), backend="numba")),
@@ -144,6 +157,8 @@ def _calls():
         ("core: ragged fp64, 3-D", lambda: core(ragged, 4, 4, ba.Variant(causal=True), np.float64, np.float64,
                                                 "flat")),
         ("core: paged HND fp32, GQA 8", lambda: core(paged, 8, 1, ba.Variant(), np.float32, np.float32, "HND")),
+        ("core: MLA fp32, keys 24 values 16", lambda: mla(paged, 8, 16, 8, np.float32, "core")),
+        ("core: MLA fp16, DeepSeek 576/512", lambda: mla(paged, 16, 512, 64, np.float16, "core")),
     ]
 
 

@@ -300,6 +300,32 @@ def test_device_arrays_in_device_arrays_out():
     np.testing.assert_array_equal(lse.copy_to_host(), host_lse)
 
 
+@pytest.mark.parametrize("kernel", ["shipped", "core"])
+def test_values_narrower_than_keys_in_place_and_beyond_mla(kernel):
+    """``head_dim_vo`` where MLA (``test_mla.py``, NumPy, one KV head, NHD) does not go: two KV heads in HND storage
+    on a plan that splits rows; and ``v`` a device view of the keys' first columns, read where it lies, bit for bit
+    what the same values copied give. A device ``v`` whose rows are not evenly spaced is refused by name."""
+    rng = np.random.default_rng(31)
+    layout = ba.layouts.paged([1, 2], [[3, 0, 1], [2]], [20, 6], page_size=8, num_pages=4)
+    q = rng.standard_normal((3, 4, 12)).astype(np.float32)
+    k, v = (rng.standard_normal((4, 2, 8, d)).astype(np.float32) for d in (12, 8))
+    attn = ba.BatchAttention("numba", kernel)
+    attn.plan(layout, 4, 2, 12, kv_layout="HND", num_ctas=4, fixed_split_size=8, head_dim_vo=8)
+    assert attn.work_plans[0].num_merges > 0, "the plan splits rows"
+    out, lse = attn.run(q, k, v, return_lse=True)
+    want_o, want_lse = ba.attention(q, k, v, layout, kv_layout="HND", backend="reference", return_lse=True)
+    assert_close(out, want_o, "attention", "float32", name=f"numba {kernel} HND out")
+    assert_close(lse, want_lse, "lse", "float32", name=f"numba {kernel} HND lse")
+
+    wide = rng.standard_normal((4, 8, 1, 12)).astype(np.float32)
+    q1, key = np.ascontiguousarray(q[:, :1]), cuda.to_device(wide)
+    got = ba.attention(cuda.to_device(q1), key, key[..., :8], layout, backend="numba", kernel=kernel)
+    np.testing.assert_array_equal(got.copy_to_host(), ba.attention(q1, wide, wide[..., :8].copy(), layout,
+                                                                   backend="numba", kernel=kernel))
+    with pytest.raises(ValueError, match=r"v must have its rows \(the last axis\) contiguous and evenly spaced"):
+        ba.attention(cuda.to_device(q1), key, key[..., ::2][..., :6], layout, backend="numba", kernel=kernel)
+
+
 @pytest.mark.parametrize("kind", ["numpy", "device"])
 def test_out_and_lse_buffers(kind):
     problem = paged_problem(ba.Variant(), seed=16)

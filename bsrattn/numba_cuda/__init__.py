@@ -37,5 +37,10 @@ WHERE = where_kernels_run()
 
 __all__ = ["Runner", "add_states", "attention", "make_runner", "merge_state", "merge_states", "plan_options"]
 
+HEAD_DIM_VO = True
+"""The kernels (the core's too, :data:`.core.HEAD_DIM_VO`) take ``v`` and ``out`` of another head dimension than
+``q`` and ``k`` (multi-head latent attention, :mod:`bsrattn.mla`), ``v`` as a strided view of the key's first
+columns included."""
+
 KERNELS = ("shipped", "core")
 """The shipped kernels, and :mod:`.core`, the paper's kernel at teaching size (``kernel="core"``)."""

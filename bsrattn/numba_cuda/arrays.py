@@ -33,11 +33,45 @@ def _check_host(x, name: str) -> None:
                         f"the GPU (a CUDA tensor, a Numba device array): pass {name}.numpy() or a CUDA tensor")
 
 
-def device_array(x, name: str, hold: bool = True):
+def row_stride(x) -> int | None:
+    """Bytes from one row of ``x`` (a vector along its last axis) to the next, in C order, when its rows are
+    contiguous and evenly spaced; None otherwise. A C-contiguous array's rows are; so are a slice of the last axis
+    of one (MLA's value ``k[..., :Dc]``, rows a key's width apart) and a view with an inserted size-1 axis
+    (``k[:, None]``). Size-1 axes have no stride that counts, nor has an empty array any.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> k = np.zeros((3, 4, 1, 24), np.float32)
+    >>> row_stride(k), row_stride(k[..., :16]), row_stride(k[:, ::2]), row_stride(k.swapaxes(0, 1))
+    (96, 96, 192, None)
+    """
+    shape, strides, item = tuple(x.shape), tuple(x.strides), x.dtype.itemsize
+    if 0 in shape:
+        return shape[-1] * item
+    if shape[-1] > 1 and strides[-1] != item:
+        return None
+    stride, span = None, None
+    for n, s in zip(reversed(shape[:-1]), reversed(strides[:-1])):
+        if n == 1:
+            continue
+        if stride is None:
+            stride = s
+        elif s != span:
+            return None
+        span = s * n
+    if stride is None:
+        return shape[-1] * item
+    return stride if stride > 0 else None
+
+
+def device_array(x, name: str, hold: bool = True, rows: bool = False):
     """``x`` as a C-contiguous Numba device array of its storage dtype: copied if on the host, else a view.
 
     ``hold=False``: a view of a ``__cuda_array_interface__`` object that does not keep the object alive (a view
     kept for later calls on the same memory, which each caller's own array keeps alive through its call).
+    ``rows=True`` (``k`` and ``v``, which kernels read a row at a time): a device ``x`` need only have its rows
+    contiguous and evenly spaced (:func:`row_stride`), and is viewed in place, as MLA's value ``k[..., :Dc]``.
     """
     fmt = format_of(x)
     if not is_device(x):
@@ -50,8 +84,9 @@ def device_array(x, name: str, hold: bool = True):
         dev = x
     else:
         dev = cuda.as_cuda_array(x) if hold else cuda.from_cuda_array_interface(x.__cuda_array_interface__)
-    if not dev.is_c_contiguous():
-        raise ValueError(f"{name} must be C-contiguous on the device; got shape {tuple(dev.shape)}, "
+    if not dev.is_c_contiguous() and not (rows and row_stride(dev) is not None):
+        what = "have its rows (the last axis) contiguous and evenly spaced" if rows else "be C-contiguous"
+        raise ValueError(f"{name} must {what} on the device; got shape {tuple(dev.shape)}, "
                          f"strides {tuple(dev.strides)}")
     return dev
 

@@ -63,7 +63,8 @@ def blocks_for(n: int, threads: int = MERGE_THREADS) -> int:
 class Config:
     """Everything a compiled attention kernel is specialised on."""
 
-    head_dim: int
+    head_dim: int                # of q and k: the width of q . k
+    dim_vo: int                  # of v, the accumulator and out (head_dim but for head_dim_vo, as MLA's)
     group_size: int              # query heads per KV head
     q_format: str           # also the output's
     kv_format: str
@@ -104,13 +105,24 @@ class Config:
 
     @property
     def row_words(self) -> int:
+        """Words per K row."""
         return self.head_dim * self.element.itemsize // self.word_size
 
     @property
+    def v_row_words(self) -> int:
+        """Words per V row (``dim_vo`` elements)."""
+        return self.dim_vo * self.element.itemsize // self.word_size
+
+    @property
     def row_stride(self) -> int:
-        """Words per row of a shared K/V tile: one word of padding staggers rows across the memory banks, so
+        """Words per row of the shared K tile: one word of padding staggers rows across the memory banks, so
         threads reading different keys' rows do not all queue on one bank."""
         return self.row_words + 1
+
+    @property
+    def v_row_stride(self) -> int:
+        """Words per row of the shared V tile, padded as :attr:`row_stride`."""
+        return self.v_row_words + 1
 
     @property
     def max_nq(self) -> int:
@@ -118,20 +130,28 @@ class Config:
 
     @property
     def acc_per_thread(self) -> int:
-        return ceil_div(self.max_nq * self.head_dim, self.num_threads)
+        """Accumulator elements each thread holds: one per (query, value dimension), spread over the threads."""
+        return ceil_div(self.max_nq * self.dim_vo, self.num_threads)
 
     @property
     def words_per_thread(self) -> int:
-        """Words of one K (or V) tile each thread copies."""
+        """Words of one K tile each thread copies."""
         return ceil_div(self.tile_kv * self.row_words, self.num_threads)
 
+    @property
+    def v_words_per_thread(self) -> int:
+        """Words of one V tile each thread copies."""
+        return ceil_div(self.tile_kv * self.v_row_words, self.num_threads)
 
-def shared_bytes(head_dim, group_size, tile_rows, tile_kv, row_bytes, word_size, compute_size, rope=False) -> int:
-    """Static shared memory of one block: K and V tiles, queries, scores and probabilities, running state,
-    tile rows, the visible (query, key) pairs of a tile (one byte each), and with fused RoPE the turned K tile
-    in the compute precision."""
+
+def shared_bytes(head_dim, group_size, tile_rows, tile_kv, row_bytes, word_size, compute_size, rope=False,
+                 v_row_bytes=None) -> int:
+    """Static shared memory of one block: the K tile (rows of ``row_bytes``) and the V tile (``v_row_bytes``,
+    default ``row_bytes``), queries, scores and probabilities, running state, tile rows, the visible (query, key)
+    pairs of a tile (one byte each), and with fused RoPE the turned K tile in the compute precision."""
     nq = tile_rows * group_size
-    kv = 2 * tile_kv * (row_bytes + word_size)
+    v_row_bytes = row_bytes if v_row_bytes is None else v_row_bytes
+    kv = tile_kv * (row_bytes + v_row_bytes + 2 * word_size)
     turned = tile_kv * head_dim if rope else 0
     return (kv + compute_size * (nq * head_dim + 2 * nq * tile_kv + 5 * nq + turned) + 8 * tile_kv
             + nq * tile_kv)
@@ -149,10 +169,11 @@ def query_tile_rows(group_size: int) -> int:
     return max(1, MAX_QUERIES // group_size)
 
 
-def choose_tiles(head_dim, group_size, kv_itemsize, word_size, compute_size, item_rows, rope=False):
+def choose_tiles(head_dim, group_size, kv_itemsize, word_size, compute_size, item_rows, rope=False, dim_vo=None):
     """``(tile_rows, tile_kv)``: :func:`query_tile_rows`, or fewer when no work item has more query rows
-    (decode: 1), and the largest power-of-two KV tile up to ``TILE_KV`` whose shared memory (with the turned K
-    tile of fused RoPE when ``rope``) fits ``SHARED_MEMORY_LIMIT``.
+    (decode: 1), and the largest power-of-two KV tile up to ``TILE_KV`` whose shared memory (K rows of
+    ``head_dim``, V rows of ``dim_vo``, default ``head_dim``; with the turned K tile of fused RoPE when ``rope``)
+    fits ``SHARED_MEMORY_LIMIT``.
 
     Examples
     --------
@@ -162,11 +183,13 @@ def choose_tiles(head_dim, group_size, kv_itemsize, word_size, compute_size, ite
     (1, True)
     """
     tile_rows = max(1, min(query_tile_rows(group_size), item_rows))
+    dim_vo = head_dim if dim_vo is None else dim_vo
     tile_kv = TILE_KV
     while shared_bytes(head_dim, group_size, tile_rows, tile_kv, head_dim * kv_itemsize, word_size,
-                       compute_size, rope) > SHARED_MEMORY_LIMIT:
+                       compute_size, rope, dim_vo * kv_itemsize) > SHARED_MEMORY_LIMIT:
         if tile_kv == 1:
-            raise ValueError(f"head_dim={head_dim} with {group_size} query heads per KV head does not fit the numba "
+            widths = f"head_dim={head_dim}" + (f", head_dim_vo={dim_vo}," if dim_vo != head_dim else "")
+            raise ValueError(f"{widths} with {group_size} query heads per KV head does not fit the numba "
                              f"tier's {SHARED_MEMORY_LIMIT} bytes of shared memory per block")
         tile_kv //= 2
     return tile_rows, tile_kv

@@ -60,27 +60,32 @@ QUERIES = 4 if SIMULATOR else 32  # (query row, head) pairs a block holds: its t
 TILE_KV = 8 if SIMULATOR else 32  # keys gathered per step, at most (tile_kv below)
 SHARED_BYTES = 48 * 1024          # static shared memory a block may declare
 
+HEAD_DIM_VO = True  # v and out may be narrower (or wider) than q and k: multi-head latent attention
+
 
 def tile_rows(group_size: int) -> int:
     """Query rows a block holds at once (the plan's ``tile_q``): ``QUERIES // G``, at least one."""
     return max(1, QUERIES // group_size)
 
 
-def tile_kv(head_dim: int, compute_size: int) -> int:
-    """Keys per shared K/V tile: ``TILE_KV``, halved until the two tiles fit ``SHARED_BYTES``."""
+def tile_kv(head_dim: int, dim_vo: int, compute_size: int) -> int:
+    """Keys per shared tile: ``TILE_KV``, halved until the K tile (``head_dim`` wide) and the V tile (``dim_vo``)
+    fit ``SHARED_BYTES``."""
     size = TILE_KV
-    while size > 1 and 2 * size * head_dim * compute_size > SHARED_BYTES:
+    while size > 1 and size * (head_dim + dim_vo) * compute_size > SHARED_BYTES:
         size //= 2
     return size
 
 
 @functools.cache
-def kernels(head_dim, group_size, q_format, kv_format, kv_hnd, causal, soft_cap, alibi, sigmoid, rope, custom_mask):
+def kernels(head_dim, dim_vo, group_size, q_format, kv_format, kv_hnd, causal, soft_cap, alibi, sigmoid, rope,
+            custom_mask):
     """``(attend, threads)``: the attention kernel and its block size, specialised on the shapes and dtypes (shared
-    and local arrays need compile-time sizes) and on the variant features that are on (the others compile away)."""
+    and local arrays need compile-time sizes: ``head_dim`` for q and k, ``dim_vo`` for v, the accumulator and out)
+    and on the variant features that are on (the others compile away)."""
     compute = np.dtype(compute_format(q_format, kv_format)).type
-    half, rows = head_dim // 2, tile_rows(group_size)
-    threads, keys = rows * group_size, tile_kv(head_dim, np.dtype(compute).itemsize)
+    half, rows, width = head_dim // 2, tile_rows(group_size), max(head_dim, dim_vo)
+    threads, keys = rows * group_size, tile_kv(head_dim, dim_vo, np.dtype(compute).itemsize)
     decode_q, decode_kv, encode_out = decoder(q_format, compute), decoder(kv_format, compute), encoder(q_format)
     neg_inf, zero, one, nan = compute(-math.inf), compute(0.0), compute(1.0), compute(math.nan)
 
@@ -103,11 +108,12 @@ def kernels(head_dim, group_size, q_format, kv_format, kv_hnd, causal, soft_cap,
     @device
     def gather(t, k_tile, v_tile, k_rows, v_rows, kv_indices, block_start, block_size, num_kv_heads, kv_head, kv0,
                kv_end, rope_offset, rope_freq):
-        """``k_tile, v_tile [tile_kv, D]`` (shared) <- logical KV slots ``kv0..`` of the block row (pool slot
-        ``kv_indices[kv_indptr[r] + i // Bc] * Bc + i % Bc``), decoded; fused RoPE turns each key at its slot plus
-        the row's ``rope_offset``. Slots past ``kv_end`` are left as they are: no query reads them."""
-        for e in range(t, keys * head_dim, threads):
-            j, d = e // head_dim, e % head_dim
+        """``k_tile [tile_kv, D]``, ``v_tile [tile_kv, Dv]`` (shared) <- logical KV slots ``kv0..`` of the block row
+        (pool slot ``kv_indices[kv_indptr[r] + i // Bc] * Bc + i % Bc``), decoded; fused RoPE turns each key at its
+        slot plus the row's ``rope_offset``. Slots past ``kv_end`` are left as they are: no query reads them.
+        One thread per (key, d), ``d`` over the wider of the two rows."""
+        for e in range(t, keys * width, threads):
+            j, d = e // width, e % width
             i = kv0 + j
             if i < kv_end:
                 slot = sparse_slot(kv_indices, block_start, block_size, i)
@@ -115,11 +121,13 @@ def kernels(head_dim, group_size, q_format, kv_format, kv_hnd, causal, soft_cap,
                     row = hnd_row(slot, kv_head, num_kv_heads, block_size)
                 else:
                     row = nhd_row(slot, kv_head, num_kv_heads)
-                x = decode_kv(k_rows[row, d])
-                if rope:
-                    x = turned(x, decode_kv(k_rows[row, (d + half) % head_dim]), d, rope_offset + i, rope_freq)
-                k_tile[j, d] = x
-                v_tile[j, d] = decode_kv(v_rows[row, d])
+                if d < head_dim:
+                    x = decode_kv(k_rows[row, d])
+                    if rope:
+                        x = turned(x, decode_kv(k_rows[row, (d + half) % head_dim]), d, rope_offset + i, rope_freq)
+                    k_tile[j, d] = x
+                if d < dim_vo:
+                    v_tile[j, d] = decode_kv(v_rows[row, d])
 
     @device
     def score(q_row, k_tile, j, q_pos, k_pos, local_q, head, kv_len, mask_start, mask, window_left, score_scale,
@@ -144,7 +152,8 @@ def kernels(head_dim, group_size, q_format, kv_format, kv_hnd, causal, soft_cap,
 
     @device
     def accumulate(acc, m, l, s, v_tile, j, sigmoid_bias):
-        """One visible key's score ``s`` and value ``v_tile[j]`` into the state ``(acc [D], m, l)``; returns ``(m, l)``.
+        """One visible key's score ``s`` and value ``v_tile[j]`` into the state ``(acc [Dv], m, l)``; returns
+        ``(m, l)``.
 
         Softmax: ``m' = max(m, s)``, ``alpha = exp(m - m')``, ``p = exp(s - m')``, ``l' = alpha l + p``,
         ``acc' = alpha acc + p v``. FlashSigmoid: ``acc' = acc + sigmoid(s + bias) v``.
@@ -152,28 +161,28 @@ def kernels(head_dim, group_size, q_format, kv_format, kv_hnd, causal, soft_cap,
         if sigmoid:
             x = s + sigmoid_bias
             p = one / (one + math.exp(-x)) if x >= zero else math.exp(x) / (one + math.exp(x))  # exp never overflows
-            for d in range(head_dim):
+            for d in range(dim_vo):
                 acc[d] += p * v_tile[j, d]
             return m, l
         m_new = s if s > m else m                        # a NaN score keeps m; its p is NaN
         m_safe = zero if m_new == neg_inf else m_new     # only -inf scores so far: shift by 0, not by -inf
         alpha, p = math.exp(m - m_safe), math.exp(s - m_safe)
-        for d in range(head_dim):
+        for d in range(dim_vo):
             acc[d] = acc[d] * alpha + p * v_tile[j, d]
         return m_new, l * alpha + p
 
     @device
     def finish(acc, m, l, v_scale, row, head, part_row, out, lse, part_o, part_lse):
         """Write ``o = acc / l`` and ``lse = m + log l`` (FlashSigmoid: ``acc`` and NaN; ``l = 0``: 0 and ``-inf``;
-        a non-finite ``acc``: the row NaN) into ``out [nnz_qo, Hq, D]``, ``lse [nnz_qo, Hq]`` when ``part_row < 0``,
-        else unencoded into workspace row ``part_row`` of ``part_o [P, Hq, D]``, ``part_lse [P, Hq]``."""
+        a non-finite ``acc``: the row NaN) into ``out [nnz_qo, Hq, Dv]``, ``lse [nnz_qo, Hq]`` when ``part_row < 0``,
+        else unencoded into workspace row ``part_row`` of ``part_o [P, Hq, Dv]``, ``part_lse [P, Hq]``."""
         bad = False
-        for d in range(head_dim):
+        for d in range(dim_vo):
             if not math.isfinite(acc[d]):
                 bad = True
         s = nan if sigmoid else m + math.log(l) if l != zero else neg_inf
         weight = one if sigmoid else zero if l == zero else one / l
-        for d in range(head_dim):
+        for d in range(dim_vo):
             o = zero if weight == zero else nan if bad else acc[d] * weight * v_scale  # empty whatever v held
             if part_row < 0:
                 out[row, head, d] = encode_out(o)
@@ -188,16 +197,16 @@ def kernels(head_dim, group_size, q_format, kv_format, kv_hnd, causal, soft_cap,
                score_scale, v_scale, window_left, cap, sigmoid_bias, alibi_slopes, rope_freq, rope_q):
         """Block ``(w, kv_head)``: work item ``w`` for KV head ``kv_head`` and its ``G`` query heads.
 
-        q [nnz_qo, Hq, D]; k_rows, v_rows [rows, D] (the pool's rows, gather.rows_view); out [nnz_qo, Hq, D];
-        lse [nnz_qo, Hq]; part_o [P, Hq, D]; part_lse [P, Hq]; items [W, ITEM_STRIDE] (bsrattn.items);
-        kv_indices [nnz]; mask [sum qo_len*kv_len] (custom mask); alibi_slopes [Hq]; rope_freq [D/2];
-        rope_q [nnz_qo] (fused RoPE: each query row's position).
+        q [nnz_qo, Hq, D]; k_rows [rows, D], v_rows [rows, Dv] (the pool's rows, gather.rows_view; Dv = dim_vo);
+        out [nnz_qo, Hq, Dv]; lse [nnz_qo, Hq]; part_o [P, Hq, Dv]; part_lse [P, Hq]; items [W, ITEM_STRIDE]
+        (bsrattn.items); kv_indices [nnz]; mask [sum qo_len*kv_len] (custom mask); alibi_slopes [Hq];
+        rope_freq [D/2]; rope_q [nnz_qo] (fused RoPE: each query row's position).
         """
         w, kv_head, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         k_tile = cuda.shared.array((keys, head_dim), compute)
-        v_tile = cuda.shared.array((keys, head_dim), compute)
+        v_tile = cuda.shared.array((keys, dim_vo), compute)
         q_row = cuda.local.array(head_dim, compute)
-        acc = cuda.local.array(head_dim, compute)
+        acc = cuda.local.array(dim_vo, compute)
         item_q0, item_q1, kv_start, kv_end = items[w, QO_START], items[w, QO_END], items[w, KV_START], items[w, KV_END]
         qo_first, qo_len, kv_len = items[w, QO_FIRST], items[w, QO_LEN], items[w, KV_LEN]
         head = tile_head(kv_head, group_size, t)
@@ -209,7 +218,7 @@ def kernels(head_dim, group_size, q_format, kv_format, kv_hnd, causal, soft_cap,
             m, l = neg_inf, zero
             if mine:
                 load_query(q_row, q, row, head, rope_q[row] if rope else 0, rope_freq)
-                for d in range(head_dim):
+                for d in range(dim_vo):
                     acc[d] = zero
             for kv0 in range(kv_start, kv_end, keys):
                 gather(t, k_tile, v_tile, k_rows, v_rows, kv_indices, items[w, BLOCK_START], block_size, num_kv_heads,
@@ -257,17 +266,19 @@ class Runner:
             work_plan.merge_indptr, work_plan.merge_partials, work_plan.merge_qo_start, work_plan.merge_qo_end))
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
-        """Attention of ``q [nnz_qo, Hq, D]`` over ``k, v`` (the spec's storage); returns ``(out, lse or None)``."""
+        """Attention of ``q [nnz_qo, Hq, D]`` over ``k, v`` (the spec's storage); returns ``(out [nnz_qo, Hq, Dv],
+        lse or None)``, ``Dv`` the head dimension of ``v`` (``spec.dim_vo``)."""
         spec, wp, variant = self.spec, self.work_plan, self.spec.variant
         q_format, kv_format = format_of(q), format_of(k)
         compute_name = compute_format(q_format, kv_format)
         compute = np.dtype(compute_name).type
         attend, threads = kernels(
-            spec.head_dim, spec.group_size, q_format, kv_format, spec.kv_view_of(k) == "HND", variant.causal,
-            variant.logits_soft_cap > 0, variant.alibi_slopes is not None, variant.use_sigmoid, variant.use_rope,
-            spec.layout.custom_mask is not None)
-        q_dev, k_dev, v_dev = (arrays.device_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-        shape = (spec.layout.nnz_qo, spec.num_qo_heads, spec.head_dim)
+            spec.head_dim, spec.dim_vo, spec.group_size, q_format, kv_format, spec.kv_view_of(k) == "HND",
+            variant.causal, variant.logits_soft_cap > 0, variant.alibi_slopes is not None, variant.use_sigmoid,
+            variant.use_rope, spec.layout.custom_mask is not None)
+        q_dev = arrays.device_array(q, "q")
+        k_dev, v_dev = (arrays.device_array(x, name, rows=True) for x, name in ((k, "k"), (v, "v")))
+        shape = (spec.layout.nnz_qo, spec.num_qo_heads, spec.dim_vo)
         want_lse = not variant.use_sigmoid and (return_lse or lse is not None)
         out_dev = arrays.target(out, shape, q_format, "out")
         lse_dev = arrays.target(lse if want_lse else None, shape[:2], compute_name, "lse")
@@ -276,13 +287,13 @@ class Runner:
         element = np.dtype(storage_dtype(kv_format))
         if wp.num_items:
             launch.run(attend, (wp.num_items, spec.num_kv_heads), threads, q_dev,
-                       rows_view(k_dev, spec.head_dim, element), rows_view(v_dev, spec.head_dim, element), out_dev,
+                       rows_view(k_dev, spec.head_dim, element), rows_view(v_dev, spec.dim_vo, element), out_dev,
                        lse_dev, part_o, part_lse, self._items, self._kv_indices, self._mask, spec.layout.block_size,
                        spec.num_kv_heads, compute(spec.sm_scale * (k_scale or 1.0)), compute(v_scale or 1.0),
                        variant.window_left, compute(variant.logits_soft_cap or 1.0),
                        compute(variant.sigmoid_bias or 0.0), self._alibi, self._rope_freq, self._rope_q)
         if wp.num_merges:
-            fold = plan_merge_kernel(compute_name, q_format, spec.head_dim, variant.use_sigmoid, config.MERGE_THREADS)
+            fold = plan_merge_kernel(compute_name, q_format, spec.dim_vo, variant.use_sigmoid, config.MERGE_THREADS)
             launch.run(fold, (wp.num_merges, spec.num_qo_heads), config.MERGE_THREADS, part_o, part_lse, out_dev,
                        lse_dev, *self._merges)
         return (arrays.deliver(out_dev, q_format, q, out),

@@ -26,9 +26,9 @@ writes its partial ``(o, lse)`` into its plan-assigned workspace rows, which the
 (:func:`.merge.plan_merge_kernel`) folds afterwards in the plan's order. No atomics anywhere, so the result
 is a pure function of the inputs and the plan.
 
-Kernels are specialised per :class:`~bsrattn.numba_cuda.config.Config` (head_dim, GQA group, dtypes, storage
-order, which variant features are on): the shapes of shared and local arrays must be compile-time constants in
-CUDA, and features that are off compile away.
+Kernels are specialised per :class:`~bsrattn.numba_cuda.config.Config` (head_dim, the value width dim_vo, GQA
+group, dtypes, storage order, which variant features are on): the shapes of shared and local arrays must be
+compile-time constants in CUDA, and features that are off compile away.
 
 How the kernel got here, one rung at a time (a copy that waited for each load; the two-phase copy; ``while``
 for ``range()`` in the innermost loops; query sub-tiles sized by the plan; the gather one tile ahead through
@@ -64,7 +64,8 @@ def persistent_kernel(cfg: Config):
     compute, word, element = cfg.compute, cfg.word, cfg.element
     head_dim, group_size, tile_kv = cfg.head_dim, cfg.group_size, cfg.tile_kv
     tile_rows, max_nq = cfg.tile_rows, cfg.max_nq
-    row_stride, acc_per_thread, words_per_thread = cfg.row_stride, cfg.acc_per_thread, cfg.words_per_thread
+    row_stride, v_row_stride, acc_per_thread = cfg.row_stride, cfg.v_row_stride, cfg.acc_per_thread
+    words_per_thread, v_words_per_thread = cfg.words_per_thread, cfg.v_words_per_thread
     seen_shape = (max_nq, tile_kv) if cfg.hidden_keys else (1, 1)
     rope = cfg.rope
     turned_shape = (tile_kv, head_dim) if rope else (1, 1)
@@ -74,8 +75,9 @@ def persistent_kernel(cfg: Config):
                    sigmoid_bias):
         """One block per (CTA, KV head), walking the CTA's work items.
 
-        q [nnz_qo, Hq, D]; k_words, v_words [rows, row_words] (storage rows, see gather.rows_view);
-        out [nnz_qo, Hq, D]; lse [nnz_qo, Hq]; part_o [P, Hq, D]; part_lse [P, Hq]; cta_indptr [num_ctas+1];
+        q [nnz_qo, Hq, D]; k_words [rows, row_words], v_words [rows, v_row_words] (storage rows, see
+        gather.rows_view; v's are Dv = cfg.dim_vo wide); out [nnz_qo, Hq, Dv]; lse [nnz_qo, Hq]; part_o [P, Hq, Dv];
+        part_lse [P, Hq]; cta_indptr [num_ctas+1];
         items [W, ITEM_STRIDE] (bsrattn.items); kv_indices [nnz]; mask [sum qo_len*kv_len] (custom mask);
         alibi_slopes [Hq]; rope_freq [D/2] and rope_q [nnz_qo] (fused RoPE: the frequencies, each query row's
         position; an item's keys sit at its row's rope_offset plus their slot).
@@ -83,18 +85,18 @@ def persistent_kernel(cfg: Config):
         cta, kv_head, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         # Shared memory, one allocation per purpose (the simulator pays for each allocation site).
         q_tile = cuda.shared.array((max_nq, head_dim), compute)
-        kv_tiles = cuda.shared.array((2, tile_kv, row_stride), word)   # the gathered K and V rows
+        k_tile = cuda.shared.array((tile_kv, row_stride), word)        # the gathered K rows
+        v_tile = cuda.shared.array((tile_kv, v_row_stride), word)      # and V rows
         weights = cuda.shared.array((2, max_nq, tile_kv), compute)     # scores s, then probabilities p
         state = cuda.shared.array((5, max_nq), compute)                # per query: m, m_new, l, alpha, bad
         kv_rows_s = cuda.shared.array(tile_kv, np.int64)
         seen = cuda.shared.array(seen_shape, np.uint8)                 # visible (query, key) pairs of a tile
         k_turned = cuda.shared.array(turned_shape, compute)            # fused RoPE: the K tile, turned
-        k_tile, v_tile = kv_tiles[0], kv_tiles[1]
         s_tile, p_tile = weights[0], weights[1]
         m_run, m_next, l_run, alpha, bad = state[0], state[1], state[2], state[3], state[4]
         acc = cuda.local.array(acc_per_thread, compute)
         k_staged = cuda.local.array(words_per_thread, word)
-        v_staged = cuda.local.array(words_per_thread, word)
+        v_staged = cuda.local.array(v_words_per_thread, word)
         k_el, v_el = k_tile.view(element), v_tile.view(element)
 
         for w in range(cta_indptr[cta], cta_indptr[cta + 1]):

@@ -12,8 +12,9 @@ The two ways of naming a tile's pool slots sit side by side, as in the paper:
   row whose KV is one contiguous run of slots (ragged and dense layouts, consecutive pages): the choice is
   the row's, read from its item row (:func:`bsrattn.items.first_slots`).
 
-After that, both copy whole ``head_dim`` rows, so the coalescing comes from the head dimension whatever the
-block size is: with fp16 and ``head_dim`` 128 a row is 256 bytes, one 8-byte word per lane of a warp.
+After that, both copy whole rows (``head_dim`` wide for K, ``dim_vo`` for V), so the coalescing comes from the
+head dimension whatever the block size is: with fp16 and ``head_dim`` 128 a row is 256 bytes, one 8-byte word
+per lane of a warp.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from bsrattn import indexing
+from bsrattn.numba_cuda.arrays import row_stride
 from bsrattn.numba_cuda.launch import device
 
 sparse_slot = device(indexing.sparse_slot)
@@ -29,8 +31,9 @@ nhd_row = device(indexing.nhd_row)
 hnd_row = device(indexing.hnd_row)
 
 
-def copy_word(row_bytes: int, *pointers) -> np.dtype:
-    """The widest unsigned word (8, 4, 2 or 1 bytes) that divides a row and the alignment of every pointer.
+def copy_word(row_bytes: int, *offsets) -> np.dtype:
+    """The widest unsigned word (8, 4, 2 or 1 bytes) that divides a row and every other offset given: the other
+    rows' sizes (V's beside K's), the rows' strides and the arrays' pointers.
 
     Examples
     --------
@@ -38,16 +41,20 @@ def copy_word(row_bytes: int, *pointers) -> np.dtype:
     (8, 4, 2)
     """
     for size in (8, 4, 2, 1):
-        if row_bytes % size == 0 and all(p % size == 0 for p in pointers):
+        if row_bytes % size == 0 and all(p % size == 0 for p in offsets):
             return np.dtype(f"u{size}")
     raise AssertionError("unreachable: 1 divides everything")
 
 
 def rows_view(x, head_dim: int, word: np.dtype):
-    """Device ``k`` or ``v`` in any storage, seen as ``[rows, head_dim * itemsize / word]`` words.
+    """Device ``k`` or ``v`` in any storage, seen as ``[rows, head_dim * itemsize / word]`` words over its own
+    memory (``head_dim``: the array's own, ``dim_vo`` for ``v``).
 
-    ``x`` is C-contiguous (``arrays.device_array`` checks), but numba's ``reshape`` also refuses a view whose
-    inserted size-1 axis has a zero stride (``k[:, None]``); such an array is rebuilt over the same memory.
+    ``x``'s rows are contiguous and evenly spaced (``arrays.device_array(..., rows=True)`` checks). Numba's
+    ``reshape`` refuses an ``x`` that is not C-contiguous (MLA's value, ``k[..., :Dc]``, whose rows lie a key's
+    width apart) and a view whose inserted size-1 axis has a zero stride (``k[:, None]``); such an array is
+    rebuilt over the same memory with its row stride. (The simulator's arrays are NumPy's, whose ``reshape``
+    copies a strided ``x``: the same values, read.)
     """
     shape = (x.size // head_dim, head_dim)
     try:
@@ -55,7 +62,8 @@ def rows_view(x, head_dim: int, word: np.dtype):
     except NotImplementedError:
         from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
-        flat = DeviceNDArray(shape, (head_dim * x.dtype.itemsize, x.dtype.itemsize), x.dtype, gpu_data=x.gpu_data)
+        words = head_dim * x.dtype.itemsize // word.itemsize
+        return DeviceNDArray((shape[0], words), (row_stride(x), word.itemsize), word, gpu_data=x.gpu_data)
     return flat.view(word)
 
 
@@ -63,8 +71,37 @@ def make_gather(cfg):
     """Device functions ``resolve_rows``, ``load_rows`` and ``store_rows`` for one kernel configuration (see
     ``config.Config``)."""
     tile_kv, threads = cfg.tile_kv, cfg.num_threads
-    row_words, tile_words, words_per_thread = cfg.row_words, cfg.tile_kv * cfg.row_words, cfg.words_per_thread
     hnd = cfg.kv_hnd
+
+    def staged_copy(row_words, words_per_thread):
+        """``(load, store)`` of one tile of rows ``row_words`` wide: K's, or V's (``dim_vo`` wide)."""
+        tile_words = tile_kv * row_words
+
+        @device
+        def load(t, staged, words, kv_rows):
+            n = 0
+            while n < words_per_thread:  # while, not range(): see microkernel's note on Numba's range iterator
+                e = t + n * threads
+                src = kv_rows[e // row_words] if e < tile_words else -1
+                if src >= 0:
+                    staged[n] = words[src, e % row_words]
+                else:
+                    staged[n] = 0
+                n += 1
+
+        @device
+        def store(t, staged, tile):
+            n = 0
+            while n < words_per_thread:
+                e = t + n * threads
+                if e < tile_words:
+                    tile[e // row_words, e % row_words] = staged[n]
+                n += 1
+
+        return load, store
+
+    load_k, store_k = staged_copy(cfg.row_words, cfg.words_per_thread)
+    load_v, store_v = staged_copy(cfg.v_row_words, cfg.v_words_per_thread)
 
     @device
     def resolve_rows(t, kv_rows, kv_indices, row_block_start, row_first_slot, block_size, num_kv_heads, kv_head,
@@ -88,35 +125,22 @@ def make_gather(cfg):
 
     @device
     def load_rows(t, k_staged, v_staged, k_words, v_words, kv_rows):
-        """Thread ``t``'s words of the rows ``kv_rows`` of ``k_words, v_words [rows, row_words]`` into its
-        registers ``k_staged, v_staged [words_per_thread]`` (local); rows past the end read as zero, so a zero
-        weight never meets stale NaN bits.
+        """Thread ``t``'s words of the rows ``kv_rows`` of ``k_words [rows, row_words]`` and ``v_words [rows,
+        v_row_words]`` into its registers ``k_staged [words_per_thread]``, ``v_staged [v_words_per_thread]``
+        (local); rows past the end read as zero, so a zero weight never meets stale NaN bits.
 
-        Every load is issued before any is used, so each thread keeps ``words_per_thread`` loads in flight, and
-        the executor issues them a tile ahead: they travel while the previous tile is computed (what
-        ``cp.async`` pipelines do in hardware; Numba has no async copy).
+        Every load is issued before any is used, so each thread keeps its loads in flight, and the executor issues
+        them a tile ahead: they travel while the previous tile is computed (what ``cp.async`` pipelines do in
+        hardware; Numba has no async copy).
         """
-        n = 0
-        while n < words_per_thread:  # while, not range(): see microkernel's note on Numba's range iterator
-            e = t + n * threads
-            src = kv_rows[e // row_words] if e < tile_words else -1
-            if src >= 0:
-                k_staged[n] = k_words[src, e % row_words]
-                v_staged[n] = v_words[src, e % row_words]
-            else:
-                k_staged[n] = 0
-                v_staged[n] = 0
-            n += 1
+        load_k(t, k_staged, k_words, kv_rows)
+        load_v(t, v_staged, v_words, kv_rows)
 
     @device
     def store_rows(t, k_staged, v_staged, k_tile, v_tile):
-        """Thread ``t``'s staged words into ``k_tile, v_tile [tile_kv, row_words + pad]`` (shared)."""
-        n = 0
-        while n < words_per_thread:
-            e = t + n * threads
-            if e < tile_words:
-                k_tile[e // row_words, e % row_words] = k_staged[n]
-                v_tile[e // row_words, e % row_words] = v_staged[n]
-            n += 1
+        """Thread ``t``'s staged words into ``k_tile [tile_kv, row_words + pad]`` and ``v_tile [tile_kv,
+        v_row_words + pad]`` (shared)."""
+        store_k(t, k_staged, k_tile)
+        store_v(t, v_staged, v_tile)
 
     return resolve_rows, load_rows, store_rows

@@ -53,15 +53,16 @@ def make_merge_pair(compute):
 
 
 @functools.cache
-def plan_merge_kernel(compute_name: str, out_format: str, head_dim: int, sigmoid: bool, threads: int):
-    """The kernel folding each split tile's partial states in the plan's order, one block per (merge, head)."""
+def plan_merge_kernel(compute_name: str, out_format: str, dim_vo: int, sigmoid: bool, threads: int):
+    """The kernel folding each split tile's partial states in the plan's order, one block per (merge, head);
+    ``dim_vo``: the head dimension of the states' ``o`` (of ``v`` and ``out``)."""
     compute = np.dtype(compute_name).type
     merge_pair, encode = make_merge_pair(compute), encoder(out_format)
     zero = compute(0.0)
 
     @cuda.jit
     def fold_partials(part_o, part_lse, out, lse, merge_indptr, merge_partials, merge_qo_start, merge_qo_end):
-        """``part_o [P, Hq, D]``, ``part_lse [P, Hq]`` -> ``out [nnz_qo, Hq, D]``, ``lse [nnz_qo, Hq]``.
+        """``part_o [P, Hq, Dv]``, ``part_lse [P, Hq]`` -> ``out [nnz_qo, Hq, Dv]``, ``lse [nnz_qo, Hq]``.
 
         Merge ``m`` covers query rows ``merge_qo_start[m]:merge_qo_end[m]``; row ``i`` of it folds workspace
         rows ``merge_partials[merge_indptr[m]:merge_indptr[m+1]] + i`` in that order.
@@ -69,8 +70,8 @@ def plan_merge_kernel(compute_name: str, out_format: str, head_dim: int, sigmoid
         m, head = cuda.blockIdx.x, cuda.blockIdx.y
         q0 = merge_qo_start[m]
         first, last = merge_indptr[m], merge_indptr[m + 1]
-        for e in range(cuda.threadIdx.x, (merge_qo_end[m] - q0) * head_dim, threads):
-            i, d = e // head_dim, e % head_dim
+        for e in range(cuda.threadIdx.x, (merge_qo_end[m] - q0) * dim_vo, threads):
+            i, d = e // dim_vo, e % dim_vo
             p = merge_partials[first] + i
             o = part_o[p, head, d]
             s = zero if sigmoid else part_lse[p, head]

@@ -15,7 +15,8 @@ a running state and corrects it as larger scores appear::
 A block holds ``nq`` queries at a time: ``tile_rows`` query rows times the ``G`` query heads of its KV head
 (query ``i`` is row ``i // G``, head ``kv_head * G + i % G``), so GQA's heads share every K/V tile the block
 loads. Work is spread over threads by flat index: (query, key) pairs for scores and probabilities,
-(query, d) pairs for the accumulator, one thread per query for the running sum. Arithmetic is float32
+(query, d) pairs for the accumulator (``d`` over V's width, ``dim_vo``: narrower than ``head_dim``, the width of
+``q . k``, for MLA), one thread per query for the running sum. Arithmetic is float32
 (float64 for float64 inputs); fp16/bf16/fp8 elements are decoded as they are read.
 
 FlashSigmoid (``Variant.sigmoid_bias``) skips the softmax: ``p_j = sigmoid(s_j + bias)`` and ``acc`` only adds.
@@ -43,7 +44,7 @@ tile_head = device(indexing.tile_head)
 def make_microkernel(cfg):
     """The microkernel's device functions for one kernel configuration (see ``config.Config``)."""
     compute, threads, tile_kv = cfg.compute, cfg.num_threads, cfg.tile_kv
-    head_dim, group_size = cfg.head_dim, cfg.group_size
+    head_dim, dim_vo, group_size = cfg.head_dim, cfg.dim_vo, cfg.group_size
     acc_per_thread = cfg.acc_per_thread
     causal, soft_cap, alibi, sigmoid, rope, custom_mask = (cfg.causal, cfg.soft_cap, cfg.alibi, cfg.sigmoid,
                                                            cfg.rope, cfg.custom_mask)
@@ -156,8 +157,9 @@ def make_microkernel(cfg):
 
     @device
     def accumulate(t, acc, m_run, l_run, m_next, alpha, p_tile, seen, v_el, nq):
-        """``acc = alpha * acc + P @ V`` per (query, d) and, one thread per query, ``l = alpha * l + sum_j p_j``
-        and ``m = m_new``. (Sigmoid: ``p_tile`` holds the weights and nothing is rescaled.)
+        """``acc = alpha * acc + P @ V`` per (query, d), ``d`` over V's ``dim_vo`` (``v_el [tile_kv, >= dim_vo]``)
+        and, one thread per query, ``l = alpha * l + sum_j p_j`` and ``m = m_new``. (Sigmoid: ``p_tile`` holds the
+        weights and nothing is rescaled.)
 
         A hidden pair is skipped, not multiplied by a zero weight: ``0 * v`` is NaN for a NaN or infinite ``v``,
         and no value of a hidden key may reach the output. Without masks that hide keys, every pair of the
@@ -174,7 +176,7 @@ def make_microkernel(cfg):
                 m_run[i] = m_next[i]
         for n in range(acc_per_thread):
             e = t + n * threads
-            i, d = e // head_dim, e % head_dim
+            i, d = e // dim_vo, e % dim_vo
             if i < nq:
                 a, j = (acc[n] if sigmoid else acc[n] * alpha[i]), 0
                 while j < tile_kv:
@@ -190,7 +192,7 @@ def make_microkernel(cfg):
         :mod:`bsrattn.reference.microkernel`). Every thread writes the same value, so the writes may race."""
         for n in range(acc_per_thread):
             e = t + n * threads
-            i = e // head_dim
+            i = e // dim_vo
             if i < nq and not math.isfinite(acc[n]):
                 bad[i] = one
 
@@ -200,14 +202,14 @@ def make_microkernel(cfg):
         """Write the state: ``o = acc / l``, ``lse = m + log l`` (0 and -inf for a query that saw no key).
 
         ``l`` is NaN when a visible score was NaN or ``+inf``: the row is then NaN, never empty. A row that
-        :func:`flag_rows` marked is NaN. An unsplit item (``part_row0 < 0``) writes ``out [nnz_qo, Hq, D]`` and
+        :func:`flag_rows` marked is NaN. An unsplit item (``part_row0 < 0``) writes ``out [nnz_qo, Hq, Dv]`` and
         ``lse [nnz_qo, Hq]`` directly; a split item writes its partial state, unencoded, into
-        ``part_o [P, Hq, D]`` and ``part_lse [P, Hq]``, query row ``item_q0 + x`` of the item at workspace row
+        ``part_o [P, Hq, Dv]`` and ``part_lse [P, Hq]``, query row ``item_q0 + x`` of the item at workspace row
         ``part_row0 + x``.
         """
         for n in range(acc_per_thread):
             e = t + n * threads
-            i, d = e // head_dim, e % head_dim
+            i, d = e // dim_vo, e % dim_vo
             if i < nq:
                 if sigmoid:
                     o = nan if bad[i] != zero else acc[n] * v_scale

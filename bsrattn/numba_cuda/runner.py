@@ -100,9 +100,10 @@ class Runner:
         self._held = None  # (_call_key, _Call) of the last call with a key
 
     def workspace(self, compute_name: str):
-        """``(part_o [P, Hq, D], part_lse [P, Hq])`` in the compute dtype, allocated once per size."""
+        """``(part_o [P, Hq, Dv], part_lse [P, Hq])`` in the compute dtype (``Dv``: ``spec.dim_vo``), allocated once
+        per size."""
         rows = max(1, self.work_plan.num_partial_rows)
-        shape = (rows, self.spec.num_qo_heads, self.spec.head_dim)
+        shape = (rows, self.spec.num_qo_heads, self.spec.dim_vo)
         held = self._workspace.get(compute_name)
         if held is None or held[0].shape[0] < rows or tuple(held[0].shape[1:]) != shape[1:]:
             held = (arrays.empty(shape, compute_name), arrays.empty(shape[:2], compute_name))
@@ -123,9 +124,9 @@ class Runner:
         compute_name = compute_format(q_format, kv_format)
         tile_rows, tile_kv = choose_tiles(spec.head_dim, spec.group_size, numpy_dtype(kv_format).itemsize,
                                           word_size, np.dtype(compute_name).itemsize, self.item_rows,
-                                          variant.use_rope)
-        return Config(head_dim=spec.head_dim, group_size=spec.group_size, q_format=q_format, kv_format=kv_format,
-                      compute_name=compute_name, kv_hnd=kv_view == "HND", causal=variant.causal,
+                                          variant.use_rope, spec.dim_vo)
+        return Config(head_dim=spec.head_dim, dim_vo=spec.dim_vo, group_size=spec.group_size, q_format=q_format,
+                      kv_format=kv_format, compute_name=compute_name, kv_hnd=kv_view == "HND", causal=variant.causal,
                       window=variant.window_left >= 0, soft_cap=variant.logits_soft_cap > 0,
                       alibi=variant.alibi_slopes is not None,
                       sigmoid=variant.use_sigmoid, rope=variant.use_rope,
@@ -134,7 +135,8 @@ class Runner:
                       min_blocks=config.MIN_BLOCKS_PER_SM)
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
-        """Attention of ``q [nnz_qo, Hq, D]`` over ``k, v`` (the spec's storage); returns ``(out, lse or None)``."""
+        """Attention of ``q [nnz_qo, Hq, D]`` over ``k, v`` (the spec's storage); returns ``(out [nnz_qo, Hq, Dv],
+        lse or None)``, ``Dv`` the head dimension of ``v`` (``spec.dim_vo``)."""
         spec = self.spec
         key, held = _call_key(q, k, v, out, lse), self._held
         if key is not None and held is not None and held[0] == key:
@@ -148,7 +150,7 @@ class Runner:
         lse_shape = (spec.layout.nnz_qo, spec.num_qo_heads)
         out_dev, lse_dev = call.out, call.lse
         if out_dev is None:
-            out_dev = arrays.target(out, (*lse_shape, spec.head_dim), cfg.q_format, "out")
+            out_dev = arrays.target(out, (*lse_shape, spec.dim_vo), cfg.q_format, "out")
         if lse_dev is None and want_lse:
             lse_dev = arrays.target(lse, lse_shape, cfg.compute_name, "lse")
         with self._lock:
@@ -161,13 +163,15 @@ class Runner:
         (a new device array each call, copied back)."""
         spec = self.spec
         q_format, kv_format = format_of(q), format_of(k)
-        q_dev, k_dev, v_dev = (arrays.device_array(x, name, hold) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-        row_bytes = spec.head_dim * numpy_dtype(kv_format).itemsize
-        cfg = self.config(q_format, kv_format, spec.kv_view_of(k),
-                          copy_word(row_bytes, _address(k_dev), _address(v_dev)).itemsize)
+        q_dev = arrays.device_array(q, "q", hold)
+        k_dev, v_dev = (arrays.device_array(x, name, hold, rows=True) for x, name in ((k, "k"), (v, "v")))
+        itemsize = numpy_dtype(kv_format).itemsize
+        word = copy_word(spec.head_dim * itemsize, spec.dim_vo * itemsize, _address(k_dev), _address(v_dev),
+                         arrays.row_stride(k_dev), arrays.row_stride(v_dev))
+        cfg = self.config(q_format, kv_format, spec.kv_view_of(k), word.itemsize)
         out_dev, lse_dev = (arrays.device_array(x, name, hold) if x is not None and arrays.is_device(x) else None
                             for x, name in ((out, "out"), (lse, "lse")))
-        return _Call(cfg, q_dev, rows_view(k_dev, spec.head_dim, cfg.word), rows_view(v_dev, spec.head_dim, cfg.word),
+        return _Call(cfg, q_dev, rows_view(k_dev, spec.head_dim, cfg.word), rows_view(v_dev, spec.dim_vo, cfg.word),
                      out_dev, lse_dev)
 
     def _launch(self, cfg, q_dev, k_words, v_words, out_dev, lse_dev, k_scale, v_scale):
@@ -186,7 +190,7 @@ class Runner:
                 compute(v_scale or 1.0), variant.window_left, compute(variant.logits_soft_cap or 1.0), self._alibi,
                 self._rope, self._rope_q, compute(variant.sigmoid_bias or 0.0))
         if work_plan.num_merges:
-            merge(plan_merge_kernel(cfg.compute_name, cfg.q_format, spec.head_dim, cfg.sigmoid, config.MERGE_THREADS),
+            merge(plan_merge_kernel(cfg.compute_name, cfg.q_format, spec.dim_vo, cfg.sigmoid, config.MERGE_THREADS),
                   (work_plan.num_merges, spec.num_qo_heads), config.MERGE_THREADS,
                   part_o, part_lse, out_dev, lse_dev, *self._merge_args)
 
