@@ -40,6 +40,9 @@ FOLDS_PRIOR = True
 """``attention`` and ``Runner.run`` take ``prior=(o, lse)``, folded in by the kernel (``Backend.folds_prior``)."""
 BINDS_RUNS = True
 """Runners have ``bind``: a serving loop's call does the work that follows from its arguments' kinds once."""
+HEAD_DIM_VO = True
+"""``v`` and ``out`` may be narrower than ``q`` and ``k`` (``head_dim_vo``: multi-head latent attention), in both
+kernels; ``v`` may be a strided view (MLA's value, the key's first ``Dv`` elements)."""
 KERNELS = ("shipped", "core")
 """The serving kernels, and :mod:`.core`, the paper's kernel at teaching size (``kernel="core"``)."""
 

@@ -99,8 +99,15 @@ def interpreter_turn():
 
 
 def block_d(head_dim: int) -> int:
-    """The kernel's head_dim tile: a power of two >= 16 (``tl.dot``'s K), the tail masked."""
+    """The kernel's tile of a head dimension: a power of two >= 16 (``tl.dot``'s K), the tail masked; of ``q`` and
+    ``k`` (``LaunchConfig.block_d``), or of ``v`` and ``out`` (``LaunchConfig.block_dv``)."""
     return max(16, next_pow2(head_dim))
+
+
+def wide_heads(spec) -> bool:
+    """Whether a head dimension of ``spec``, ``q``'s and ``k``'s or ``v``'s, takes a tile over 128 wide: then
+    :func:`tiles` gives M tiles of at most 64 rows."""
+    return max(block_d(spec.head_dim), block_d(spec.dim_vo)) > 128
 
 
 def block_m(tile_q: int, group_size: int) -> int:
@@ -108,17 +115,23 @@ def block_m(tile_q: int, group_size: int) -> int:
     return min(128, max(16, next_pow2(tile_q * group_size)))
 
 
-def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False) -> Tiles:
-    """Tile shapes for an M tile of ``m`` rows. ``dtype`` is ``q``'s (fp32 dots run on CUDA cores: smaller tiles).
+def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False, head_dim_vo: int | None = None) -> Tiles:
+    """Tile shapes for an M tile of ``m`` rows. ``dtype`` is ``q``'s (fp32 dots run on CUDA cores: smaller tiles);
+    ``head_dim_vo`` is ``v``'s head dimension where it is not ``head_dim``'s, and the wider of the two tiles decides.
 
     Chosen by ``benchmarks/tune.py``'s sweeps (``benchmarks/NOTES.md``). Decode streams KV: 3 pipeline stages keep two
     tiles in flight behind the one being used (the tile's block ids are loaded a tile ahead), and two CTAs of 4 warps
     share an SM. A decode plan with ``few_items`` (fewer busy programs than SMs) leaves SMs idle whatever the tile; 8
     warps then put more loads in flight for each item. Prefill is FLOP-bound: 128 x 64 tiles on 8 warps (two warpgroups
     of wgmma), 3 stages. Shared memory per stage is ``block_n x block_d`` for each of K and V; every choice keeps a CTA
-    inside the H200's 227 KiB (two per SM at decode shapes).
+    inside the H200's 227 KiB (two per SM at decode shapes). Where K's and V's tiles together are over 1024 wide
+    (multi-head latent attention's 576-wide key, a 1024 tile, beside its 512-wide value), 32 x 16 tiles keep ``q`` and
+    two stages of K and V inside it (the sm_90 compile check).
     """
-    if block_d(head_dim) > 128 or dtype == "float32":
+    block_dv = block_d(head_dim if head_dim_vo is None else head_dim_vo)
+    if block_d(head_dim) + block_dv > 1024:
+        return Tiles(block_m=min(m, 32), block_n=16, num_warps=4, num_stages=2)
+    if max(block_d(head_dim), block_dv) > 128 or dtype == "float32":
         return Tiles(block_m=min(m, 64), block_n=32, num_warps=4, num_stages=2)
     if m <= DECODE_ROWS:
         return Tiles(block_m=m, block_n=64, num_warps=8 if few_items else 4, num_stages=3)
@@ -163,10 +176,10 @@ def plan_options(spec, device=None) -> dict:
     if kind == "decode":
         m = block_m(tallest, spec.group_size)
     else:
-        m = 64 if block_d(spec.head_dim) > 128 or spec.q_dtype == "float32" else PREFILL_BLOCK_M
+        m = 64 if wide_heads(spec) or spec.q_dtype == "float32" else PREFILL_BLOCK_M
     ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // spec.num_kv_heads)
     if kind == "decode":
-        block_n = tiles(m, spec.head_dim, spec.q_dtype).block_n
+        block_n = tiles(m, spec.head_dim, spec.q_dtype, head_dim_vo=spec.head_dim_vo).block_n
         sms = num_sms(device)
         few_pairs = m <= DECODE_FEW_ROWS and spec.layout.num_rows * spec.num_kv_heads * DECODE_FEW_PAIRS_PER <= sms
         return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=DECODE_MIN_SPLIT,
@@ -225,7 +238,7 @@ def item_kernel_for(spec, work_plan, q_dtype: str, affine_rows: bool) -> int:
     rows = work_plan.tile_q * spec.group_size
     if ((work_plan.num_merges and causal_hides_keys(spec)) or spec.split_size is not None or rows > PREFILL_BLOCK_M
             or (rows <= DECODE_ROWS and not decode_on_items(work_plan, rows))
-            or q_dtype == "float32" or block_d(spec.head_dim) > 128 or variant.window_left >= 0
+            or q_dtype == "float32" or wide_heads(spec) or variant.window_left >= 0
             or variant.alibi_slopes is not None or variant.use_rope or variant.use_sigmoid
             or spec.layout.custom_mask is not None):
         return 0
@@ -290,6 +303,18 @@ class LaunchConfig:
     """Whether the launch folds an earlier level's state into every row it writes out (``Runner.run``'s ``prior``:
     a Cascade's last level folds the levels before it, so the cascade needs no launch of its own for the merge);
     the call decides it, not the plan, so a graph captured on a cascade's levels replays its re-plans."""
+    head_dim_vo: int | None = None
+    """The head dimension of ``v`` and ``out`` (``AttentionSpec.dim_vo``): narrower than ``head_dim`` for multi-head
+    latent attention; None (``head_dim``) is replaced by ``head_dim`` on construction. The value tile, the
+    accumulator, the partial states and the merges are ``block_dv`` wide; ``q``, ``k`` and the scores ``block_d``."""
+    block_dv: int | None = None
+    """The tile of ``head_dim_vo`` (:func:`block_d`); None (``block_d``) is replaced by ``block_d``."""
+
+    def __post_init__(self):
+        if self.head_dim_vo is None:
+            object.__setattr__(self, "head_dim_vo", self.head_dim)
+        if self.block_dv is None:
+            object.__setattr__(self, "block_dv", self.block_d)
 
     @property
     def deterministic(self) -> bool:

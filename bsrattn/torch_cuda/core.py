@@ -3,7 +3,7 @@
 | stage | what | where | reference (``bsrattn/reference/``) |
 |---|---|---|---|
 | plan | query tiles x KV chunks, merge lists in chunk order | :func:`plan_options` | ``config.plan_options`` |
-| gather | slot ``i``: ``kv_indices[kv_indptr[r] + i // Bc] * Bc + i % Bc`` | :func:`gather_offsets` | ``row_slots`` |
+| gather | slot ``i``: ``kv_indices[kv_indptr[r] + i // Bc] * Bc + i % Bc`` | :func:`gather_slots` | ``row_slots`` |
 | rope | ``q`` turned once per program, each ``k`` tile as it comes | :func:`rope` | ``microkernel.rope`` |
 | scores | ``q . k``, scale, soft cap, ALiBi; causal, window, custom mask | :func:`score` | ``microkernel.transform`` |
 | softmax | running max, rescale, running sum, ``P @ V``; FlashSigmoid | :func:`attention_kernel` | ``attend`` |
@@ -11,8 +11,10 @@
 | merge | split rows' partial states, ⊕ in plan order | :func:`merge_kernel` | ``execute``; ``merge.merge_state`` |
 
 One program per (work item, KV head): the rows of its tile are (query row, query head of the KV head's group) pairs,
-so one K/V tile serves the whole group. An unsplit item writes ``out`` and ``lse``, a split one its workspace rows,
-which the merge kernel then folds. Every variant feature is a compile-time switch, a constant or a pointer that is
+so one K/V tile serves the whole group. ``v`` and ``out`` may be narrower than ``q`` and ``k`` (``head_dim_vo``,
+multi-head latent attention): the value tile, the accumulator and every state are ``BLOCK_DV`` wide, the score tiles
+``BLOCK_D``. An unsplit item writes ``out`` and ``lse``, a split one its workspace rows, which the merge kernel then
+folds. Every variant feature is a compile-time switch, a constant or a pointer that is
 None, compiled away when off: a model has one of each.
 """
 
@@ -39,6 +41,7 @@ short rows span several tiles; compiled, float32 (IEEE dots on CUDA cores) and h
 keeps their tiles in registers."""
 MAX_BLOCK_M = 64
 BLOCK_R = 32  # (query row, head) pairs per merge program
+HEAD_DIM_VO = True  # v and out may be narrower than q and k (multi-head latent attention)
 INTERPRETER_SMS = 4  # few programs keep the interpreter fast, and rows still split
 
 
@@ -77,11 +80,12 @@ def store_state(o_ptr, lse_ptr, rows, valid, d, o, lse, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def gather_offsets(kv_indices, block_start, block_size, i, valid, stride_block, stride_slot):  # i, valid [BLOCK_N]
-    """Element offsets of a row's logical KV slots ``i`` in the pool (:func:`bsrattn.indexing.sparse_slot`): slot
-    ``i % Bc`` of block ``kv_indices[kv_indptr[r] + i // Bc]``, whatever ``Bc`` (1: ragged, a page: paged)."""
+def gather_slots(kv_indices, block_start, block_size, i, valid):  # i, valid [BLOCK_N]
+    """``(block, slot within it)`` of a row's logical KV slots ``i`` in the pool (:func:`bsrattn.indexing.sparse_slot`):
+    slot ``i % Bc`` of block ``kv_indices[kv_indptr[r] + i // Bc]``, whatever ``Bc`` (1: ragged, a page: paged). K's
+    element offsets are ``block * stride_block + slot * stride_slot``, V's the same in its own strides."""
     block = tl.load(kv_indices + block_start + i // block_size, mask=valid, other=0)
-    return block.to(tl.int64) * stride_block + (i % block_size) * stride_slot
+    return block.to(tl.int64), i % block_size
 
 
 @triton.jit
@@ -135,15 +139,16 @@ def finish(acc, m_i, l_i, poisoned, v_scale, SIGMOID: tl.constexpr):  # acc [M, 
 
 @triton.jit
 def attention_kernel(
-        q, k, v, out, lse,  # q, out [nnz_qo, Hq, D]; k, v: the pool in its storage view; lse [nnz_qo, Hq] f32
-        part_o, part_lse,  # [partial_rows, Hq, D], [partial_rows, Hq] f32: the split items' states
+        q, k, v, out, lse,  # q [nnz_qo, Hq, D], out [nnz_qo, Hq, Dv]; k, v: the pool in its storage view; lse f32
+        part_o, part_lse,  # [partial_rows, Hq, Dv], [partial_rows, Hq] f32: the split items' states
         items, kv_indices, mask,  # [W, ITEM_STRIDE] i32 (bsrattn.items); [nnz] i32; custom mask u8 or None
         alibi, rope_freqs, rope_q,  # [Hq] f32, [D/2] f32, [nnz_qo] i32 (fused RoPE's query positions), or None
-        stride_block, stride_slot, stride_head, block_size,  # slot i of block b, KV head h: b, i, h strides
+        stride_block, stride_slot, stride_head, block_size,  # slot i of block b, KV head h: b, i, h strides of k
+        stride_v_block, stride_v_slot, stride_v_head,  # the same of v
         qk_scale, v_scale,  # sm_scale * k_scale; v_scale
-        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, SOFT_CAP: tl.constexpr,
-        SIGMOID_BIAS: tl.constexpr):
+        HEAD_DIM: tl.constexpr, HEAD_DIM_VO: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr, SOFT_CAP: tl.constexpr, SIGMOID_BIAS: tl.constexpr):
     """Work item ``program_id(0)`` for KV head ``program_id(1)``: ``BLOCK_M`` of its rows (from ``program_id(2) *
     BLOCK_M``) over its KV range, a tile at a time (reference ``attend_range``)."""
     item = items + tl.program_id(0) * STRIDE
@@ -160,18 +165,20 @@ def attention_kernel(
     mask_row = mask_offset(tl.load(item + MASK_START), kv_len, row - qo_first, 0)
     at = row.to(tl.int64) * num_heads + head  # flat (query row, head) rows of q, out and lse
     d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
     qt = load_tile(q, at * HEAD_DIM, valid, d, HEAD_DIM)
     if rope_freqs is not None:
         qt = rope(qt, q, at * HEAD_DIM, valid, tl.load(rope_q + row, mask=valid, other=0), rope_freqs, d, HEAD_DIM)
-    k_head, v_head = k + kv_head * stride_head, v + kv_head * stride_head
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_head, v_head = k + kv_head * stride_head, v + kv_head * stride_v_head
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(s - m_i)
     poisoned = tl.zeros([BLOCK_M], tl.int32)  # saw a NaN or an infinity in a visible key's v
     for start in range(kv_start, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         in_range = k_pos < kv_end
-        offsets = gather_offsets(kv_indices, block_start, block_size, k_pos, in_range, stride_block, stride_slot)
+        block, slot = gather_slots(kv_indices, block_start, block_size, k_pos, in_range)
+        offsets = block * stride_block + slot * stride_slot
         kt = load_tile(k_head, offsets, in_range, d, HEAD_DIM).to(qt.dtype)  # fp8 KV: exact in fp16 and bf16
         if rope_freqs is not None:
             kt = rope(kt, k_head, offsets, in_range, k_pos + tl.load(item + ROPE_OFFSET), rope_freqs, d, HEAD_DIM)
@@ -179,7 +186,7 @@ def attention_kernel(
                        mask_row, CAUSAL, WINDOW_LEFT, SOFT_CAP)
         # A hidden key weighs 0, but 0 * NaN is NaN in P @ V: every non-finite v becomes 0, and the queries that
         # see such a key are marked instead.
-        vt = load_tile(v_head, offsets, in_range, d, HEAD_DIM).to(qt.dtype)
+        vt = load_tile(v_head, block * stride_v_block + slot * stride_v_slot, in_range, dv, HEAD_DIM_VO).to(qt.dtype)
         finite = tl.abs(vt.to(tl.float32)) < float("inf")
         poisoned |= tl.max(tl.where(vis, tl.max(tl.where(finite, 0, 1), 1)[None, :], 0), 1)
         vt = tl.where(finite, vt, 0.0)
@@ -196,10 +203,10 @@ def attention_kernel(
     o, s_out = finish(acc, m_i, l_i, poisoned, v_scale, SIGMOID_BIAS is not None)
     partial = tl.load(item + PARTIAL)
     if partial < 0:
-        store_state(out, lse, at, valid, d, o, s_out, HEAD_DIM)
+        store_state(out, lse, at, valid, dv, o, s_out, HEAD_DIM_VO)
     else:  # workspace rows partial + (query row - qo_start), laid out as out's
         part = (partial + row - qo_start).to(tl.int64) * num_heads + head
-        store_state(part_o, part_lse, part, valid, d, o, s_out, HEAD_DIM)
+        store_state(part_o, part_lse, part, valid, dv, o, s_out, HEAD_DIM_VO)
 
 
 @triton.jit
@@ -219,12 +226,13 @@ def merge_pair(o_a, lse_a, o_b, lse_b):  # o_a, o_b [R, BLOCK_D] f32; lse_a, lse
 
 
 @triton.jit
-def merge_kernel(part_o, part_lse, out, lse,  # [partial_rows, Hq, D], [partial_rows, Hq] f32; out, lse as above
+def merge_kernel(part_o, part_lse, out, lse,  # [partial_rows, Hq, Dv], [partial_rows, Hq] f32; out, lse as above
                  merge_qo_start, merge_qo_end, merge_indptr, merge_partials,  # the WorkPlan's merge arrays
                  num_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                  SIGMOID: tl.constexpr):
     """Merge ``program_id(0)``: its partial states folded in the plan's order, ⊕ or a sum for FlashSigmoid, for
-    ``BLOCK_R`` of its (query row, head) pairs (reference ``execute``'s merge loop)."""
+    ``BLOCK_R`` of its (query row, head) pairs (reference ``execute``'s merge loop). ``HEAD_DIM`` is the states'
+    width, ``v``'s."""
     merge = tl.program_id(0)
     qo_start = tl.load(merge_qo_start + merge)
     i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # pair i: query row qo_start + i // Hq, head i % Hq
@@ -242,6 +250,12 @@ def merge_kernel(part_o, part_lse, out, lse,  # [partial_rows, Hq, D], [partial_
         else:
             o, s = merge_pair(o, s, o_b, tl.load(part_lse + rows, mask=valid, other=float("-inf")))
     store_state(out, lse, qo_start.to(tl.int64) * num_heads + i, valid, d, o, s, HEAD_DIM)
+
+
+def _strides(x, view) -> tuple:
+    """``(stride_block, stride_slot, stride_head)`` of ``k`` or ``v`` stored as ``view``."""
+    st = x.stride()
+    return {"NHD": (st[0], st[1], st[2]), "HND": (st[0], st[2], st[1]), "NHD3": (st[0], 0, st[1])}[view]
 
 
 def plan_options(spec) -> dict:
@@ -282,33 +296,34 @@ class Runner:
 
     def launches(self, q, k, v, out, lse, k_scale=None, v_scale=None) -> list:
         """``(kernel, grid, args, kwargs)`` of each launch on contiguous tensors on the device: ``q``, ``k``/``v`` in
-        a storage view, ``out`` like ``q``, ``lse [nnz_qo, Hq]`` float32 (the sm_90 compile check compiles these)."""
+        a storage view, ``out [nnz_qo, Hq, Dv]`` in ``q``'s dtype (``Dv``: ``spec.dim_vo``), ``lse [nnz_qo, Hq]``
+        float32 (the sm_90 compile check compiles these)."""
         spec, variant = self.spec, self.spec.variant
         rows = (max(self.work_plan.num_partial_rows, 1), spec.num_qo_heads)
         part_o, part_lse = (torch.empty(shape, dtype=torch.float32, device=q.device) for shape in
-                            (rows + (spec.head_dim,), rows))
-        st = k.stride()  # (block, slot, head) strides of each storage view
-        strides = {"NHD": (st[0], st[1], st[2]), "HND": (st[0], st[2], st[1]), "NHD3": (st[0], 0, st[1])}
+                            (rows + (spec.dim_vo,), rows))
+        view = spec.kv_view_of(k)
         args = (q, k, v, out, lse, part_o, part_lse, self.items, self.kv_indices, self.mask, self.alibi,
-                self.rope_freqs, self.rope_q, *strides[spec.kv_view_of(k)], spec.layout.block_size,
+                self.rope_freqs, self.rope_q, *_strides(k, view), spec.layout.block_size, *_strides(v, view),
                 spec.sm_scale * (1.0 if k_scale is None else k_scale), 1.0 if v_scale is None else v_scale)
-        block_d = max(16, triton.next_power_of_2(spec.head_dim))
-        kwargs = dict(HEAD_DIM=spec.head_dim, GROUP=spec.group_size, BLOCK_M=self.block_m, BLOCK_D=block_d,
+        block_d, block_dv = (max(16, triton.next_power_of_2(n)) for n in (spec.head_dim, spec.dim_vo))
+        kwargs = dict(HEAD_DIM=spec.head_dim, HEAD_DIM_VO=spec.dim_vo, GROUP=spec.group_size, BLOCK_M=self.block_m,
+                      BLOCK_D=block_d, BLOCK_DV=block_dv,
                       BLOCK_N=16 if q.dtype == torch.float32 or spec.head_dim > 128 else BLOCK_N,
                       CAUSAL=variant.causal, WINDOW_LEFT=variant.window_left, SOFT_CAP=variant.logits_soft_cap,
                       SIGMOID_BIAS=variant.sigmoid_bias, num_warps=8 if self.block_m > 16 else 4)  # registers
         merge = ((part_o, part_lse, out, lse, *self.merges, spec.num_qo_heads),
-                 dict(HEAD_DIM=spec.head_dim, BLOCK_R=BLOCK_R, BLOCK_D=block_d, SIGMOID=variant.use_sigmoid))
+                 dict(HEAD_DIM=spec.dim_vo, BLOCK_R=BLOCK_R, BLOCK_D=block_dv, SIGMOID=variant.use_sigmoid))
         return [(attention_kernel, self.grid, args, kwargs), (merge_kernel, self.merge_grid, *merge)]
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
-        """Attention of the plan on ``q [nnz_qo, Hq, D]``, ``k``/``v`` (a storage view): ``(out, lse or None)`` in
-        the kind ``q`` came in (NumPy in, NumPy out), written into ``out``/``lse`` where given."""
+        """Attention of the plan on ``q [nnz_qo, Hq, D]``, ``k``/``v`` (a storage view): ``(out [nnz_qo, Hq, Dv],
+        lse or None)`` in the kind ``q`` came in (NumPy in, NumPy out), written into ``out``/``lse`` where given."""
         as_numpy = not isinstance(q, torch.Tensor)
         q, k, v = (to_torch(name, x, self.device).contiguous() for name, x in zip("qkv", (q, k, v)))
         if dtype_name(q) not in SUPPORTED:  # k and v were checked against q (validation.py)
             raise TypeError(f"q has dtype {dtype_name(q)}; the torch core supports {SUPPORTED}")
-        o = torch.empty(q.shape, dtype=q.dtype, device=self.device)
+        o = torch.empty(q.shape[:2] + (self.spec.dim_vo,), dtype=q.dtype, device=self.device)
         s = torch.empty(q.shape[:2], dtype=torch.float32, device=self.device)
         for kernel, grid, args, kwargs in self.launches(q, k, v, o, s, k_scale, v_scale):
             if grid[0]:

@@ -9,7 +9,8 @@ Must match :func:`bsrattn.reference.executor.execute`. The launch is a fixed lau
    M sub-tiles.
 2. **Block skipping.** Causal masking ends the KV loop after the tile's last query position, a sliding
    window starts it at the first query position minus ``window_left``; tiles outside are never loaded.
-3. The microkernel (:func:`~bsrattn.torch_cuda.microkernel.attend_range`) over the item's KV range. With fused
+3. The microkernel (:func:`~bsrattn.torch_cuda.microkernel.attend_range`) over the item's KV range (``v``, the
+   accumulator, the output and the partial states ``HEAD_DIM_VO`` wide, ``q`` and ``k`` ``HEAD_DIM``). With fused
    RoPE the tile's queries are loaded in two halves (dims ``[0, D/2)`` and ``[D/2, D)``) and turned once per
    tile (:func:`~bsrattn.torch_cuda.microkernel.rope_turn`) at their positions in the plan's ``rope_q``
    section, and every K tile at its slots' positions plus the item's ``rope_offset`` (a Cascade's later levels).
@@ -71,9 +72,9 @@ def persistent_attention(
         # ... then kernel_args.PLAN_ARGS: what the plan's buffers and the configuration fix.
         part_o, part_lse, sync, cta_indptr, items, merge_partials, kv_indices, mask_ptr, alibi_ptr, rope_ptr, rope_q,
         part_o_strides, part_lse_strides, window_left, num_kv_heads, merge_rows,
-        HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_VO: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_H: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr,
         STORE_LSE: tl.constexpr, AFFINE_ROWS: tl.constexpr, MERGES: tl.constexpr, PRECISION: tl.constexpr,
         DETERMINISTIC: tl.constexpr, SPLIT_SIZE: tl.constexpr, PRIOR: tl.constexpr, REDO: tl.constexpr):
@@ -81,7 +82,8 @@ def persistent_attention(
     # states as they land, the second the same in the second launch, the third flags the merges whose output
     # came out non-finite; then one row per item flags such items.
     HIDDEN_KEYS: tl.constexpr = CAUSAL or HAS_WINDOW or CUSTOM_MASK
-    TILE: tl.constexpr = Tile(HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_H, BLOCK_SIZE, AFFINE_ROWS, PRECISION)
+    TILE: tl.constexpr = Tile(HEAD_DIM, HEAD_DIM_VO, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_H, BLOCK_SIZE,
+                              AFFINE_ROWS, PRECISION)
     VARIANT: tl.constexpr = Switches(CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, ROPE, CUSTOM_MASK)
     merge_flags = sync + 2 * merge_rows * num_kv_heads
     item_flags = sync + 3 * merge_rows * num_kv_heads
@@ -91,6 +93,7 @@ def persistent_attention(
     k_head = k_ptr + kv_head * k_strides[2]
     v_head = v_ptr + kv_head * v_strides[2]
     d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)  # v's and the output's columns
     half = tl.arange(0, BLOCK_H)  # fused RoPE: q and k in halves, dims [0, D/2) and [D/2, D)
     rope_freq = tl.zeros([BLOCK_H], dtype=tl.float32)
     if ROPE:
@@ -158,7 +161,7 @@ def persistent_attention(
             n_chunks = 1
             if DETERMINISTIC:
                 chunk_lo, chunk_step, n_chunks = chunk_grid(lo, hi, kv_start, SPLIT_SIZE)
-            o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            o = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
             lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             for c in range(0, n_chunks):
                 c0 = chunk_lo + c * chunk_step
@@ -173,10 +176,10 @@ def persistent_attention(
                     tl.store(item_flags + w * num_kv_heads + kv_head, 1)
             if partial < 0:
                 store_output(out_ptr, lse_ptr, out_strides, lse_strides, prior_o, prior_lse, qo_start + rel, head,
-                             valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, PRIOR)
+                             valid_m, dv, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
             elif MERGES:
-                store_state(part_o, part_lse, partial + rel, head, valid_m, d, o, lse,
-                            (part_o_strides[0], part_o_strides[1], 1), part_lse_strides, HEAD_DIM, not SIGMOID)
+                store_state(part_o, part_lse, partial + rel, head, valid_m, dv, o, lse,
+                            (part_o_strides[0], part_o_strides[1], 1), part_lse_strides, HEAD_DIM_VO, not SIGMOID)
         if MERGES and joins:
             n_rows = (qo_end - qo_start) * GROUP_SIZE
             parts_lo = tl.load(item + _PARTS_LO)
@@ -193,20 +196,20 @@ def persistent_attention(
                     rel = tile_query(m, GROUP_SIZE)
                     head = tile_head(kv_head, GROUP_SIZE, m)
                     o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head,
-                                           valid_m, d, part_o_strides, part_lse_strides, HEAD_DIM, SIGMOID)
+                                           valid_m, dv, part_o_strides, part_lse_strides, HEAD_DIM_VO, SIGMOID)
                     if HIDDEN_KEYS and not REDO:
                         if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:
                             tl.store(merge_flags + merge * num_kv_heads + kv_head, 1)
                     store_output(out_ptr, lse_ptr, out_strides, lse_strides, prior_o, prior_lse, qo_start + rel,
-                                 head, valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, PRIOR)
+                                 head, valid_m, dv, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
 
 
 def constexprs(config, q_dtype, redo: bool = False) -> dict:
     """The compile-time arguments of :func:`persistent_attention` for ``config`` and a ``q`` of ``q_dtype``."""
-    return dict(HEAD_DIM=config.head_dim, GROUP_SIZE=config.group_size,
+    return dict(HEAD_DIM=config.head_dim, HEAD_DIM_VO=config.head_dim_vo, GROUP_SIZE=config.group_size,
                 BLOCK_SIZE=block_size_constexpr(config.block_size), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                BLOCK_D=config.block_d, BLOCK_H=max(16, config.block_d // 2), CAUSAL=config.causal,
-                HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap, ALIBI=config.alibi,
+                BLOCK_D=config.block_d, BLOCK_DV=config.block_dv, BLOCK_H=max(16, config.block_d // 2),
+                CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap, ALIBI=config.alibi,
                 SIGMOID=config.sigmoid, ROPE=config.rope, CUSTOM_MASK=config.custom_mask, STORE_LSE=config.store_lse,
                 AFFINE_ROWS=config.affine_rows, MERGES=config.merges,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32", DETERMINISTIC=config.deterministic,

@@ -8,8 +8,9 @@ chosen per row at run time).
 The head dimension stays contiguous and gives the coalescing, so both paths issue the same wide loads,
 which Triton pipelines into shared memory ahead of the ``tl.dot`` that consumes them.
 
-Storage views (see :meth:`bsrattn.validation.AttentionSpec.kv_view_of`) reach the kernel as four strides,
-never as copies: pool slot ``block * Bc + within`` of KV head ``h``, element ``d`` sits at
+Storage views (see :meth:`bsrattn.validation.AttentionSpec.kv_view_of`) reach the kernel as four strides each
+of ``k`` and ``v``, never as copies (``v`` may be a view into ``k``'s rows: multi-head latent attention's value,
+the key's first ``head_dim_vo`` elements): pool slot ``block * Bc + within`` of KV head ``h``, element ``d`` sits at
 ``block * stride_block + within * stride_slot + h * stride_head + d * stride_dim``:
 
 | view | shape | stride_block, stride_slot, stride_head |

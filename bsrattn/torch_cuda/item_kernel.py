@@ -54,14 +54,15 @@ from bsrattn.torch_cuda.prior import store_output
 
 @triton.jit
 def _attend_tma(q, q_pos, valid_m, k_row, v_row, k_slot_stride, v_slot_stride, kv_start, kv_end, scalars,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
+                HEAD_DIM: tl.constexpr, HEAD_DIM_VO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr,
+                PRECISION: tl.constexpr):
     """:func:`~bsrattn.torch_cuda.microkernel.attend_range` over slots ``kv_start:kv_end`` of an affine row whose
     slot ``i`` of K is at ``k_row + i * k_slot_stride`` (V likewise), its tiles copied by the tensor-memory engine."""
     qk_scale, soft_cap = scalars.qk_scale, scalars.soft_cap
     k_desc = tl.make_tensor_descriptor(k_row, [kv_end, HEAD_DIM], [k_slot_stride, 1], [BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(v_row, [kv_end, HEAD_DIM], [v_slot_stride, 1], [BLOCK_N, BLOCK_D])
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    v_desc = tl.make_tensor_descriptor(v_row, [kv_end, HEAD_DIM_VO], [v_slot_stride, 1], [BLOCK_N, BLOCK_DV])
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     mid = kv_start
@@ -93,15 +94,16 @@ def item_attention(
         q_strides, k_strides, v_strides, out_strides, lse_strides, block_size, scalars,
         part_o, part_lse, sync, cta_indptr, items, merge_partials, kv_indices, mask_ptr, alibi_ptr, rope_ptr, rope_q,
         part_o_strides, part_lse_strides, window_left, num_kv_heads, merge_rows,
-        HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_VO: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, STORE_LSE: tl.constexpr, AFFINE_ROWS: tl.constexpr,
         PRECISION: tl.constexpr, NUM_CTAS: tl.constexpr, TMA: tl.constexpr, MERGES: tl.constexpr,
         PRIOR: tl.constexpr):
     # Split items and hidden keys are never planned together here (config.item_kernel_for): a split item whose
     # state came out non-finite would need the merge flags of the persistent kernel's second launch.
     tl.static_assert(not (MERGES and CAUSAL))
-    TILE: tl.constexpr = Tile(HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D, BLOCK_SIZE, AFFINE_ROWS, PRECISION)
+    TILE: tl.constexpr = Tile(HEAD_DIM, HEAD_DIM_VO, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_D, BLOCK_SIZE,
+                              AFFINE_ROWS, PRECISION)
     VARIANT: tl.constexpr = Switches(CAUSAL, False, SOFT_CAP, False, False, False, False)
     w = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,6 +114,7 @@ def item_attention(
             load_item(item, False)
         n_rows = (qo_end - qo_start) * GROUP_SIZE  # at most BLOCK_M: item_kernel_for's condition
         d = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)  # v's and the output's columns
         m = tl.arange(0, BLOCK_M)
         valid_m = m < n_rows
         rel = tile_query(m, GROUP_SIZE)
@@ -139,8 +142,8 @@ def item_attention(
                 v_slots = v_strides[0] if BLOCK_SIZE == 1 else v_strides[1]
                 first = first_slot.to(tl.int64)
                 o, lse = _attend_tma(q, q_pos, valid_m, k_head + first * k_slots, v_head + first * v_slots, k_slots,
-                                     v_slots, kv_start, hi, scalars, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL,
-                                     SOFT_CAP, PRECISION)
+                                     v_slots, kv_start, hi, scalars, HEAD_DIM, HEAD_DIM_VO, BLOCK_M, BLOCK_N, BLOCK_D,
+                                     BLOCK_DV, CAUSAL, SOFT_CAP, PRECISION)
             else:
                 o, lse = microkernel.attend_range(query, row, kv_start, hi, scalars, TILE, VARIANT, False, False)
         else:
@@ -155,29 +158,30 @@ def item_attention(
             tl.store(item_flags + w * num_kv_heads + kv_head, 1)
         elif partial < 0:
             store_output(out_ptr, lse_ptr, out_strides, lse_strides, prior_o, prior_lse, qo_start + rel, head,
-                         valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, PRIOR)
+                         valid_m, dv, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
         else:
             # A split item: its partial state, then the merge's fold by the last of its items to land, in the
             # plan's order (executor.py, step 4).
-            store_state(part_o, part_lse, partial + rel, head, valid_m, d, o, lse,
-                        (part_o_strides[0], part_o_strides[1], 1), part_lse_strides, HEAD_DIM, True)
+            store_state(part_o, part_lse, partial + rel, head, valid_m, dv, o, lse,
+                        (part_o_strides[0], part_o_strides[1], 1), part_lse_strides, HEAD_DIM_VO, True)
             merge = tl.load(item + _MERGE)
             parts_lo = tl.load(item + _PARTS_LO)
             parts_hi = tl.load(item + _PARTS_HI)
             if last_to_arrive(sync + merge * num_kv_heads + kv_head, parts_hi - parts_lo):
-                o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head, valid_m, d,
-                                       part_o_strides, part_lse_strides, HEAD_DIM, False)
+                o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head, valid_m, dv,
+                                       part_o_strides, part_lse_strides, HEAD_DIM_VO, False)
                 store_output(out_ptr, lse_ptr, out_strides, lse_strides, prior_o, prior_lse, qo_start + rel,
-                             head, valid_m, d, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM, STORE_LSE, PRIOR)
+                             head, valid_m, dv, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
 
 
 def constexprs(config, q_dtype, tma: bool) -> dict:
     """The compile-time arguments of :func:`item_attention` for ``config``, a ``q`` of ``q_dtype`` and whether the
     call's affine rows go through tensor descriptors (:func:`tma_ready`)."""
-    return dict(HEAD_DIM=config.head_dim, GROUP_SIZE=config.group_size,
+    return dict(HEAD_DIM=config.head_dim, HEAD_DIM_VO=config.head_dim_vo, GROUP_SIZE=config.group_size,
                 BLOCK_SIZE=block_size_constexpr(config.block_size), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                BLOCK_D=config.block_d, CAUSAL=config.causal, SOFT_CAP=config.soft_cap, STORE_LSE=config.store_lse,
-                AFFINE_ROWS=config.affine_rows, PRECISION="ieee" if q_dtype == torch.float32 else "tf32",
+                BLOCK_D=config.block_d, BLOCK_DV=config.block_dv, CAUSAL=config.causal, SOFT_CAP=config.soft_cap,
+                STORE_LSE=config.store_lse, AFFINE_ROWS=config.affine_rows,
+                PRECISION="ieee" if q_dtype == torch.float32 else "tf32",
                 NUM_CTAS=config.num_ctas, TMA=tma, MERGES=config.merges, PRIOR=config.prior)
 
 

@@ -19,14 +19,15 @@ from bsrattn.torch_cuda.gather import kv_strides
 CALL_TENSORS = (
     "q_ptr",  # [nnz_qo, Hq, D]
     "k_ptr", "v_ptr",  # the KV pool in its storage view (gather.py)
-    "out_ptr",  # [nnz_qo, Hq, D], q's dtype
+    "out_ptr",  # [nnz_qo, Hq, Dv], q's dtype (Dv: v's head dimension, LaunchConfig.head_dim_vo)
     "lse_ptr",  # [nnz_qo, Hq] f32; the buffers' no_lse when the call stores none
-    "prior_o", "prior_lse",  # [nnz_qo, Hq, D], [nnz_qo, Hq] f32: an earlier level's state (prior.py), or no_prior
+    "prior_o", "prior_lse",  # [nnz_qo, Hq, Dv], [nnz_qo, Hq] f32: an earlier level's state (prior.py), or no_prior
 )
 """The call's tensors: a launch passes their addresses."""
 CALL_INTS = (
     "q_strides",  # (row, head, dim) of q
-    "k_strides", "v_strides",  # (block, slot, head, dim) of the view (gather.kv_strides)
+    "k_strides", "v_strides",  # (block, slot, head, dim) of each in the view (gather.kv_strides): v may be a view
+    # into k's rows (multi-head latent attention's value, the key's first Dv elements)
     "out_strides",  # (row, head, dim) of out
     "lse_strides",  # (row, head) of lse
     "block_size",  # Bc, read where the BLOCK_SIZE constexpr is 0 (gather.block_size_constexpr)
@@ -38,7 +39,7 @@ CALL_FLOATS = (
 CALL_ARGS = CALL_TENSORS + CALL_INTS + CALL_FLOATS
 """The arguments a call gives (:func:`call_args`)."""
 PLAN_ARGS = (
-    "part_o", "part_lse",  # [partial_rows, Hq, D], [partial_rows, Hq] f32: split items' partial states
+    "part_o", "part_lse",  # [partial_rows, Hq, Dv], [partial_rows, Hq] f32: split items' partial states
     "sync",  # [3 * merge_rows + W, Hkv] i32: merge counters of each launch, merge flags, item flags
     "cta_indptr",  # [num_ctas + 1]: CTA c runs items cta_indptr[c]:cta_indptr[c + 1]
     "items",  # [W, ITEM_STRIDE]: one item row each (bsrattn.items.ITEM_FIELDS)

@@ -5,7 +5,9 @@ Must match :mod:`bsrattn.reference.microkernel` (``rope``, ``scores``, ``attend`
 - Tiling: ``q`` is a ``[BLOCK_M, BLOCK_D]`` tile whose rows are (query row, head of the GQA group) pairs, so
   one K/V tile serves the whole group; keys arrive ``BLOCK_N`` at a time and the softmax is online
   (running max ``m``, running sum ``l``, rescaled accumulator), in base 2 (``exp2``) with the scale
-  pre-multiplied by ``log2(e)``. LSE comes out in natural log.
+  pre-multiplied by ``log2(e)``. LSE comes out in natural log. ``v``, the accumulator and the output are
+  ``BLOCK_DV`` wide, ``v``'s own head dimension (``head_dim_vo``: narrower than ``q`` and ``k`` for multi-head
+  latent attention; ``BLOCK_D`` otherwise).
 - Dtypes: ``q @ k^T`` and ``p @ v`` run in the input dtype with float32 accumulation (fp32 inputs use IEEE
   dots, never TF32); ``p`` is rounded to the input dtype before ``p @ v``. fp8 KV is cast to ``q``'s dtype
   on load; ``k_scale`` is folded into the score scale and ``v_scale`` into the output.
@@ -112,7 +114,7 @@ def visible(q_pos, k_pos, valid_m, valid_n, q_local, kv_len, window_left, mask_p
 
 
 @triton.jit
-def softmax_update(acc, m_i, l_i, s, vis, v,  # acc [BLOCK_M, D] f32; m_i, l_i [BLOCK_M]; s, vis [M, N]; v [N, D]
+def softmax_update(acc, m_i, l_i, s, vis, v,  # acc [BLOCK_M, DV] f32; m_i, l_i [BLOCK_M]; s, vis [M, N]; v [N, DV]
                    MASKED: tl.constexpr, PRECISION: tl.constexpr, DETERMINISTIC: tl.constexpr):
     """One online-softmax step over a KV tile: rescale the running state by the new max, add ``p @ v``.
 
@@ -148,7 +150,7 @@ def sigmoid_update(acc, s, vis, sigmoid_bias, v, MASKED: tl.constexpr, PRECISION
 
 
 @triton.jit
-def drop_hidden(v, vis, bad):  # v [BLOCK_N, D]; vis [BLOCK_M, BLOCK_N]; bad [BLOCK_M] f32
+def drop_hidden(v, vis, bad):  # v [BLOCK_N, DV]; vis [BLOCK_M, BLOCK_N]; bad [BLOCK_M] f32
     """``v`` with its NaNs and infinities replaced by 0, and ``bad`` marking the queries that see such a key.
 
     The tests are float sums (``x * 0`` is 0 for a finite ``x``, NaN otherwise), not reductions of booleans:
@@ -162,7 +164,7 @@ def drop_hidden(v, vis, bad):  # v [BLOCK_N, D]; vis [BLOCK_M, BLOCK_N]; bad [BL
 
 @triton.jit
 def finish(acc, m_i, l_i, bad, v_scale, SIGMOID: tl.constexpr):
-    """``(o [BLOCK_M, D], lse [BLOCK_M])``: normalised output and natural-log LSE; an empty row gives 0 and -inf.
+    """``(o [BLOCK_M, DV], lse [BLOCK_M])``: normalised output and natural-log LSE; an empty row gives 0 and -inf.
 
     ``l`` is NaN when a visible score was NaN or ``+inf``: such a row is NaN, never empty. A row whose
     accumulator holds a NaN or an infinity, or that ``bad`` marks, is all NaN: its scale is NaN.
@@ -209,10 +211,12 @@ class KVRow(NamedTuple):
 class Tile(NamedTuple):
     """The compile-time shape of the tile loop: sizes, load path, dot precision."""
 
-    head_dim: int
+    head_dim: int  # of q and k
+    head_dim_vo: int  # of v and the output
     block_m: int
     block_n: int
-    block_d: int
+    block_d: int  # q's and k's tile
+    block_dv: int  # v's and the accumulator's
     block_h: int  # fused RoPE's half tile
     block_size: int  # Bc when a power of two, else 0 (gather.block_size_constexpr)
     affine_rows: bool  # whether the affine load path is compiled in (gather.py)
@@ -237,7 +241,7 @@ def attend_tile(state, start, blocks, query, row, kv_end, scalars,  # state: (ac
                 DETERMINISTIC: tl.constexpr):
     """The running state after the KV tile of slots ``start:start+BLOCK_N`` (``blocks``: its block ids, sparse path).
 
-    ``state`` is ``(acc [BLOCK_M, BLOCK_D], m_i, l_i, bad [BLOCK_M])``, ``query`` a :class:`QueryTile`, ``row`` a
+    ``state`` is ``(acc [BLOCK_M, BLOCK_DV], m_i, l_i, bad [BLOCK_M])``, ``query`` a :class:`QueryTile`, ``row`` a
     :class:`KVRow`, ``scalars`` the launch's :class:`~bsrattn.torch_cuda.config.Scalars`. An unmasked tile
     (``MASKED`` false) is one the caller knows to lie inside the range and to be visible whole to every query of the
     tile: no bounds, no position or custom mask are evaluated for it. A masked tile with ``DROP_HIDDEN`` drops the
@@ -271,7 +275,8 @@ def attend_tile(state, start, blocks, query, row, kv_end, scalars,  # state: (ac
                       row.mask_start, VARIANT.causal, VARIANT.has_window, VARIANT.custom_mask)
     v_off = gather.slot_offsets(blocks, row.first_slot, k_pos, row.v_strides[0], row.v_strides[1], row.block_size,
                                 TILE.block_size, TILE.affine_rows)
-    v = gather.load_tile(row.v_head, v_off, valid_n, d, row.v_strides[3], TILE.head_dim, TILE.block_d, q.dtype, MASKED)
+    v = gather.load_tile(row.v_head, v_off, valid_n, tl.arange(0, TILE.block_dv), row.v_strides[3], TILE.head_dim_vo,
+                         TILE.block_dv, q.dtype, MASKED)
     if MASKED and DROP_HIDDEN:
         v, bad = drop_hidden(v, vis, bad)
     if VARIANT.sigmoid:
@@ -312,7 +317,7 @@ def attend_range(query, row, kv_start, kv_end, scalars,  # query: QueryTile; row
     masked. Elsewhere every tile runs masked: the masks are then only the range's bounds, and a second loop would
     cost the kernel registers (decode spills at 3 pipeline stages with it). Returns ``(o, lse)`` as :func:`finish`.
     """
-    state = (tl.zeros([TILE.block_m, TILE.block_d], dtype=tl.float32),
+    state = (tl.zeros([TILE.block_m, TILE.block_dv], dtype=tl.float32),
              tl.full([TILE.block_m], float("-inf"), dtype=tl.float32), tl.zeros([TILE.block_m], dtype=tl.float32),
              tl.zeros([TILE.block_m], dtype=tl.float32))
     blocks = gather.tile_blocks(row.kv_indices, row.block_start, row.first_slot, kv_start, kv_end, row.block_size,
@@ -331,10 +336,11 @@ def attend_range(query, row, kv_start, kv_end, scalars,  # query: QueryTile; row
 
 
 @triton.jit
-def store_state(o_ptr, lse_ptr, rows, head, valid, d, o, lse,  # rows, head, valid [BLOCK_M]; o [BLOCK_M, BLOCK_D]
+def store_state(o_ptr, lse_ptr, rows, head, valid, d, o, lse,  # rows, head, valid [BLOCK_M]; o [BLOCK_M, BLOCK_DV]
                 o_strides, lse_strides,  # (row, head, dim) of o_ptr's rows; (row, head) of lse_ptr's
                 HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
-    """``o`` and ``lse`` of a tile's rows written to query rows ``rows`` of heads ``head`` (``valid`` rows only)."""
+    """``o`` and ``lse`` of a tile's rows written to query rows ``rows`` of heads ``head`` (``valid`` rows only);
+    ``HEAD_DIM`` is the output's width, ``v``'s head dimension, and ``d`` its tile's columns."""
     r = rows.to(tl.int64)
     tl.store(o_ptr + r[:, None] * o_strides[0] + head[:, None] * o_strides[1] + d[None, :] * o_strides[2],
              o.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (d[None, :] < HEAD_DIM))

@@ -2,7 +2,7 @@
 layers neither plan nor allocate again for every call.
 
 Over the core, which plans, allocates and binds a launch on every call, :func:`attention` keeps the runner of the
-last call of each (heads, head_dim, device) and runs its plan again for a call of the same spec, and refills the
+last call of each (heads, head dimensions, device) and runs its plan again for a call of the same spec, and refills the
 buffers of earlier calls (the spares) rather than allocating new ones: allocating them and binding their launch
 cost more host time than a small decode. Nothing here changes an answer; two calls at once never share a runner or
 buffers, and under CUDA graph capture every call gets buffers of its own.
@@ -21,9 +21,9 @@ from bsrattn.torch_cuda.plan_buffers import Capacity
 from bsrattn.torch_cuda.runner import Runner
 
 SPARES_PER_SHAPE = 4
-"""Buffers of finished one-shot calls kept per (heads, head_dim, device), for the next calls to refill."""
+"""Buffers of finished one-shot calls kept per (heads, head dimensions, device), for the next calls to refill."""
 SPARE_WORKSPACE_BYTES = 256 * 2**20
-"""At most this much partial-state workspace is kept in spares per (heads, head_dim, device); the oldest go."""
+"""At most this much partial-state workspace is kept in spares per (heads, head dimensions, device); the oldest go."""
 _spares = {}  # PlanBuffers.shape_key -> [PlanBuffers], most recently used last
 _spares_turn = threading.Lock()
 
@@ -54,7 +54,7 @@ def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=No
     """One-shot attention: plan with :func:`~bsrattn.torch_cuda.config.plan_options`, then run once (``prior``: a
     state folded in, as :meth:`Runner.run` takes it).
 
-    The runner of the last call of the same heads, head_dim and device is kept: a call of the same spec (the
+    The runner of the last call of the same heads, head dimensions and device is kept: a call of the same spec (the
     same layout object, heads, variant, dtypes and view, as a model's layers make with one layout in a step)
     runs its plan again without planning; layouts are immutable, so the plan is still theirs. Otherwise the plan
     goes into the buffers of an earlier call when one is idle (its plan's copy to the device has finished) and
@@ -66,7 +66,7 @@ def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=No
     """
     device = canonical_device(device_of(q, k, v, out, lse))
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    shape_key = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
+    shape_key = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_vo, device)  # as PlanBuffers'
     runner = None if capturing else _kept.pop(shape_key, None)  # taken: no other call runs it meanwhile
     if runner is not None and not _same_spec(runner.spec, spec):
         _give_back(runner.buffers)

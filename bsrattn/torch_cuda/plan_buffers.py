@@ -74,8 +74,9 @@ class Capacity:
                 and self.partials >= need.partials and self.nnz >= need.nnz and self.mask >= need.mask
                 and self.partial_rows >= need.partial_rows and self.queries >= need.queries)
 
-    def grown(self, work_plan, num_qo_heads: int, head_dim: int) -> "Capacity":
-        """Headroom for later plans of the same batch, so a captured graph survives a change of lengths.
+    def grown(self, work_plan, num_qo_heads: int, head_dim_vo: int) -> "Capacity":
+        """Headroom for later plans of the same batch, so a captured graph survives a change of lengths
+        (``head_dim_vo``: the partial states' width, ``v``'s head dimension).
 
         A balanced plan cuts KV chunks of at least ``L_kv = total / num_ctas`` slots, so it has at most
         ``num_ctas + n_tiles`` items (``sum ceil(l / L_kv) <= sum (l / L_kv + 1)``), whatever the lengths:
@@ -87,7 +88,7 @@ class Capacity:
         worst = self.num_ctas + tiles
         rows_per_tile = int((work_plan.item_qo_end - work_plan.item_qo_start).max(initial=1))
         partial_rows = max(self.partial_rows, worst * rows_per_tile)
-        if partial_rows * num_qo_heads * (head_dim + 1) * 4 > WORKSPACE_HEADROOM_BYTES:
+        if partial_rows * num_qo_heads * (head_dim_vo + 1) * 4 > WORKSPACE_HEADROOM_BYTES:
             partial_rows = self.partial_rows
         return replace(self, items=max(self.items, worst), merges=max(self.merges, tiles),
                        partials=max(self.partials, worst), partial_rows=partial_rows).rounded()
@@ -208,10 +209,11 @@ class PlanSections:
 class PlanBuffers(PlanSections):
     """The plan arrays, custom mask, partial-state workspace and merge counters of one runner, on ``device``.
 
-    ``part_o [partial_rows, num_qo_heads, head_dim]`` and ``part_lse [partial_rows, num_qo_heads]`` (float32)
-    hold split items' partial states; ``sync [3 * merges + items, num_kv_heads]`` (int32) holds the merge
-    counters, which count the partial states of each split tile as they land so that the CTA writing the last
-    one merges, and the flags of the items and merges whose output came out non-finite (``executor.py``).
+    ``part_o [partial_rows, num_qo_heads, head_dim_vo]`` and ``part_lse [partial_rows, num_qo_heads]`` (float32)
+    hold split items' partial states, as wide as ``v`` (``head_dim_vo``: ``head_dim`` where None);
+    ``sync [3 * merges + items, num_kv_heads]`` (int32) holds the merge counters, which count the partial states of
+    each split tile as they land so that the CTA writing the last one merges, and the flags of the items and merges
+    whose output came out non-finite (``executor.py``).
     ``host_staging`` (default: on a CUDA device) fills a host copy, pinned on CUDA, and copies the bytes a
     plan uses to the device; without it the plan is written in place (the CPU, under the Triton interpreter).
     Every buffer but ``sync`` is allocated uninitialised (a one-shot call allocates a set): a launch reads only
@@ -220,10 +222,10 @@ class PlanBuffers(PlanSections):
     """
 
     def __init__(self, capacity: Capacity, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device, host_staging: bool | None = None):
+                 device: torch.device, host_staging: bool | None = None, head_dim_vo: int | None = None):
         device = canonical_device(device)
         self.capacity = capacity
-        self.shape_key = (num_qo_heads, num_kv_heads, head_dim, device)
+        self.shape_key = (num_qo_heads, num_kv_heads, head_dim, head_dim_vo, device)
         self.offsets = {}
         at = 0
         for name, size in capacity.section_sizes(num_qo_heads, head_dim).items():
@@ -250,7 +252,8 @@ class PlanBuffers(PlanSections):
         self.plan = self.raw[:self._plan_bytes].view(torch.int32)
         self.mask = self.raw[self._plan_bytes:]
         rows = max(capacity.partial_rows, 1)
-        self.part_o = torch.empty((rows, num_qo_heads, head_dim), dtype=torch.float32, device=device)
+        width = head_dim if head_dim_vo is None else head_dim_vo
+        self.part_o = torch.empty((rows, num_qo_heads, width), dtype=torch.float32, device=device)
         self.part_lse = torch.empty((rows, num_qo_heads), dtype=torch.float32, device=device)
         # Merge counters for the first and the second launch, merge flags, item flags (executor.py, REDO).
         self.merge_rows = capacity.merges
@@ -302,8 +305,9 @@ class PlanBuffers(PlanSections):
     def workspace_bytes(self) -> int:
         return (self.part_o.numel() + self.part_lse.numel()) * 4
 
-    def fits(self, need: Capacity, num_qo_heads, num_kv_heads, head_dim, device) -> bool:
-        return self.shape_key == (num_qo_heads, num_kv_heads, head_dim, device) and self.capacity.fits(need)
+    def fits(self, need: Capacity, num_qo_heads, num_kv_heads, head_dim, device, head_dim_vo=None) -> bool:
+        return (self.shape_key == (num_qo_heads, num_kv_heads, head_dim, head_dim_vo, device)
+                and self.capacity.fits(need))
 
     def used_bytes(self, layout) -> tuple:
         """``(plan, mask)``: the bytes of the plan region and of the mask region that a plan over ``layout`` uses.

@@ -25,7 +25,7 @@ def fold_prior(prior_o, prior_lse, rows, head, valid, d, o, lse,  # rows, head, 
                num_heads, HEAD_DIM: tl.constexpr):
     """``prior ⊕ (o, lse)`` for a tile's query rows ``rows`` of heads ``head``: ``prior_o [nnz_qo, num_heads,
     HEAD_DIM]`` and ``prior_lse [nnz_qo, num_heads]`` (contiguous) hold an earlier level's state of the same
-    rows."""
+    rows (``HEAD_DIM``: the output's width, ``v``'s head dimension)."""
     at = rows.to(tl.int64) * num_heads + head
     o_prior = tl.load(prior_o + at[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None] & (d[None, :] < HEAD_DIM),
                       other=0.0)
@@ -51,14 +51,14 @@ def prior_state(buffers, prior) -> tuple:
 
 
 def prior_tensors(prior, shape, device) -> tuple:
-    """``Runner.run``'s ``prior`` as the kernels read it: contiguous tensors on ``device``, ``o`` of the queries'
-    ``shape`` and ``lse`` float32 of their rows x heads."""
+    """``Runner.run``'s ``prior`` as the kernels read it: contiguous tensors on ``device``, ``o`` of the output's
+    ``shape`` (``[nnz_qo, Hq, Dv]``) and ``lse`` float32 of its rows x heads."""
     if not isinstance(prior, tuple) or len(prior) != 2:
         raise TypeError(f"prior must be a state (o, lse), got {type(prior).__name__}")
     o, s = to_torch("prior o", prior[0], device), to_torch("prior lse", prior[1], device)
     if tuple(o.shape) != tuple(shape) or tuple(s.shape) != tuple(shape[:2]):
-        raise ValueError(f"prior must be o {tuple(shape)} and lse {tuple(shape[:2])} (the queries' rows and "
-                         f"heads), got {tuple(o.shape)} and {tuple(s.shape)}")
+        raise ValueError(f"prior must be o {tuple(shape)} and lse {tuple(shape[:2])} (the output's rows, heads "
+                         f"and width), got {tuple(o.shape)} and {tuple(s.shape)}")
     if not o.is_floating_point():
         raise TypeError(f"prior o has dtype {dtype_name(o)}; a state's o is floating point")
     return o.contiguous(), s.to(torch.float32).contiguous()

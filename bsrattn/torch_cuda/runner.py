@@ -62,17 +62,17 @@ class Runner:
         rope = spec.variant.use_rope
         need = Capacity.needed(work_plan, spec.layout, rope)
         shape = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
-        if spare is not None and spare.fits(need, *shape):
+        if spare is not None and spare.fits(need, *shape, head_dim_vo=spec.head_dim_vo):
             buffers = spare
         else:
             if replan and spare.captured:  # only a captured graph holds the old buffers' addresses
                 warnings.warn(f"the plan needs {need}, beyond the previous plan's buffers "
-                              f"({spare.capacity}, heads/dim/device {spare.shape_key}); "
+                              f"({spare.capacity}, heads/dims/device {spare.shape_key}); "
                               f"new buffers were allocated, so recapture any CUDA graph taken on the old ones "
                               f"(plan the largest step first to avoid this)", RuntimeWarning, stacklevel=3)
             # Headroom keeps later re-plans (CUDA graphs) in place; a one-shot call needs none.
-            capacity = need.grown(work_plan, spec.num_qo_heads, spec.head_dim) if headroom else need.rounded()
-            buffers = PlanBuffers(capacity, *shape)
+            capacity = need.grown(work_plan, spec.num_qo_heads, spec.dim_vo) if headroom else need.rounded()
+            buffers = PlanBuffers(capacity, *shape, head_dim_vo=spec.head_dim_vo)
         if replan and buffers is spare and buffers.captured:
             changed = [name for name, was, now in zip(_RECORDED, _recorded(previous.spec),
                                                       _recorded(spec)) if was != now]
@@ -104,11 +104,12 @@ class Runner:
             busy = int(np.count_nonzero(np.diff(self.work_plan.cta_indptr))) * spec.num_kv_heads  # programs with work
             # Through the module: benchmarks/tune.py sweeps its choices.
             t = config.tiles(block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype,
-                             few_items=busy < num_sms(self.device))
+                             few_items=busy < num_sms(self.device), head_dim_vo=spec.head_dim_vo)
             self._configs[key] = LaunchConfig(
                 num_ctas=self.work_plan.num_ctas, num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
-                head_dim=spec.head_dim, block_size=spec.layout.block_size, block_m=t.block_m, block_n=t.block_n,
-                block_d=block_d(spec.head_dim), num_warps=t.num_warps, num_stages=t.num_stages,
+                head_dim=spec.head_dim, head_dim_vo=spec.dim_vo, block_size=spec.layout.block_size,
+                block_m=t.block_m, block_n=t.block_n, block_d=block_d(spec.head_dim), block_dv=block_d(spec.dim_vo),
+                num_warps=t.num_warps, num_stages=t.num_stages,
                 kv_view=kv_view, causal=causal_hides_keys(spec), window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
                 sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
@@ -138,11 +139,13 @@ class Runner:
         return launch
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None, prior=None):
-        """Attention of the plan on ``q [nnz_qo, Hq, D]``, ``k``/``v`` (a storage view); returns ``(out, lse or None)``.
+        """Attention of the plan on ``q [nnz_qo, Hq, D]``, ``k``/``v`` (a storage view; ``v`` may be a strided view,
+        such as multi-head latent attention's value ``k[..., :Dv]``); returns ``(out [nnz_qo, Hq, Dv], lse or None)``,
+        ``Dv`` the head dimension of ``v`` (``spec.dim_vo``).
 
         Inputs are torch tensors on this runner's device, or NumPy arrays (moved there; the results then
         come back as NumPy). ``out``/``lse`` buffers are written in place and returned. ``prior``, a state
-        ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` of the same query rows (an earlier Cascade level's), is folded
+        ``(o [nnz_qo, Hq, Dv], lse [nnz_qo, Hq])`` of the same query rows (an earlier Cascade level's), is folded
         in by the kernel: the result is ``prior ⊕`` this plan's state, as ``merge_state`` would give it, with no
         launch of its own. Called eagerly, the kernel is launched through the buffers'
         :class:`~bsrattn.torch_cuda.launch.Launch`; traced by ``torch.compile``, through the custom op
@@ -151,9 +154,10 @@ class Runner:
         as_numpy = not isinstance(q, torch.Tensor)
         q_t, k_t, v_t = to_torch("q", q, self.device), to_torch("k", k, self.device), to_torch("v", v, self.device)
         key, scalars, want_lse = self._prepare(q_t, k_t, out, lse, return_lse, k_scale, v_scale, prior is not None)
+        out_shape = q_t.shape if self.spec.head_dim_vo is None else (*q_t.shape[:2], self.spec.head_dim_vo)
         if prior is not None:
-            prior = prior_tensors(prior, q_t.shape, self.device)
-        out_t = self._output("out", out, as_numpy, q_t.shape, q_t.dtype)
+            prior = prior_tensors(prior, out_shape, self.device)
+        out_t = self._output("out", out, as_numpy, out_shape, q_t.dtype)
         lse_t = self._output("lse", lse, as_numpy, q_t.shape[:2], torch.float32) if want_lse else None
         self._launch_on(key, q_t, k_t, v_t, out_t, lse_t, scalars, prior)
         if as_numpy:
@@ -180,11 +184,11 @@ class Runner:
         q_t, k_t = to_torch("q", q, self.device), to_torch("k", k, self.device)
         to_torch("v", v, self.device)
         key, scalars, want_lse = self._prepare(q_t, k_t, out, lse, return_lse, k_scale, v_scale)
+        out_shape, lse_shape, dtype, device = (*q_t.shape[:2], self.spec.dim_vo), q_t.shape[:2], q_t.dtype, self.device
         if out is not None:
-            self._output("out", out, False, q_t.shape, q_t.dtype)
+            self._output("out", out, False, out_shape, q_t.dtype)
         if want_lse and lse is not None:
-            self._output("lse", lse, False, q_t.shape[:2], torch.float32)
-        out_shape, lse_shape, dtype, device = q_t.shape, q_t.shape[:2], q_t.dtype, self.device
+            self._output("lse", lse, False, lse_shape, torch.float32)
 
         def call(q, k, v, out, lse):
             if out is None:
