@@ -26,8 +26,11 @@ argument    shape                                                       what
 ``lse``     ``[nnz_qo, H]``                                             float32, natural log
 ==========  ==========================================================  ================================
 
-Each call lays the key out as the kernel reads it, ``ckv ⊕ kpe`` per slot (a copy of the cache, the value
-``ckv`` a view into it), in the array kind it was given: NumPy arrays, or torch tensors on any device.
+The kernel reads the key as one row per slot, ``ckv ⊕ kpe``, and the value ``ckv`` as a view of that row's first
+``Dc`` columns. Where ``ckv`` and ``kpe`` are the two parts of one ``[..., Dc + Dr]`` array (``cache[..., :Dc]`` and
+``cache[..., Dc:]``, as serving engines keep MLA's cache), that array is the key, read in place; otherwise each call
+concatenates them, a copy of the cache. ``q_nope`` and ``q_pe`` likewise. NumPy arrays, or torch tensors on any
+device, in the kind they were given.
 
 Examples
 --------
@@ -96,6 +99,20 @@ def mla_attention(q_nope: Array, q_pe: Array, ckv: Array, kpe: Array, layout: BS
         Shapes that do not fit each other or the layout (the message names the operand), fused RoPE in
         ``variant``, a tier whose kernel takes no value narrower than its key; and what
         :func:`bsrattn.attention` refuses.
+
+    Examples
+    --------
+    One decode row over 5 slots of a ragged cache, against the formula written out:
+
+    >>> import numpy as np, bsrattn as ba
+    >>> rng = np.random.default_rng(0)
+    >>> q_nope, q_pe = rng.standard_normal((1, 4, 16)), rng.standard_normal((1, 4, 8))
+    >>> ckv, kpe = rng.standard_normal((5, 16)), rng.standard_normal((5, 8))
+    >>> out = ba.mla_attention(q_nope, q_pe, ckv, kpe, ba.layouts.ragged([1], [5]))
+    >>> s = (q_nope[0] @ ckv.T + q_pe[0] @ kpe.T) / np.sqrt(16 + 8)          # [H, slots]
+    >>> p = np.exp(s - s.max(1, keepdims=True))
+    >>> np.allclose(out[0], p @ ckv / p.sum(1, keepdims=True))
+    True
     """
     _check_operands(q_nope, q_pe, ckv, kpe, _levels(layout)[0])
     q, k, v = _as_attention(q_nope, q_pe, ckv, kpe)
@@ -245,9 +262,44 @@ def _kind(x):
 
 def _as_attention(q_nope, q_pe, ckv, kpe):
     """The operands of :func:`bsrattn.attention`: ``q = q_nope ⊕ q_pe``, the key ``ckv ⊕ kpe`` of one KV head,
-    and the value ``ckv``, a view of the key's first ``Dc`` columns."""
+    and the value ``ckv``, a view of the key's first ``Dc`` columns. Each join is a view where :func:`_adjacent`
+    finds one, else a copy."""
     cat = _kind(q_nope)
-    q = cat([q_nope, q_pe], -1)
-    k = cat([ckv, kpe], -1)
+    q = _adjacent(q_nope, q_pe)
+    q = cat([q_nope, q_pe], -1) if q is None else q
+    k = _adjacent(ckv, kpe)
+    k = cat([ckv, kpe], -1) if k is None else k
     k = k.reshape(shape_of(k)[:-1] + (1, shape_of(k)[-1]))
     return q, k, k[..., :shape_of(ckv)[-1]]
+
+
+def _adjacent(a, b):
+    """``a ⊕ b`` along the last axis as a view of the memory they both lie in, when ``b``'s columns follow ``a``'s
+    in every row (``a = x[..., :n]``, ``b = x[..., n:]`` of one array ``x``); None otherwise.
+
+    Both have unit last strides and the same other strides, and ``b`` starts ``a.shape[-1]`` elements after ``a``
+    in one buffer (NumPy: the same base array; torch: the same storage), so every row of the view is a row of
+    ``a`` followed by the same row of ``b``: memory they already cover, whatever the strides.
+    """
+    if shape_of(a)[:-1] != shape_of(b)[:-1] or 0 in shape_of(a) + shape_of(b):
+        return None
+    if _kind(a).__module__.startswith("torch"):
+        if (a.stride() != b.stride() or a.stride(-1) != 1 or a.device != b.device
+                or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                or b.data_ptr() != a.data_ptr() + a.shape[-1] * a.element_size()):
+            return None
+        return a.as_strided(a.shape[:-1] + (a.shape[-1] + b.shape[-1],), a.stride())
+    import numpy as np
+
+    if (a.strides != b.strides or a.strides[-1] != a.itemsize or _root(a) is not _root(b)
+            or b.ctypes.data != a.ctypes.data + a.shape[-1] * a.itemsize):
+        return None
+    return np.lib.stride_tricks.as_strided(a, a.shape[:-1] + (a.shape[-1] + b.shape[-1],), a.strides,
+                                           writeable=False)
+
+
+def _root(x):
+    """The array that owns ``x``'s memory (a NumPy view's first base that is not itself a view)."""
+    while getattr(x, "base", None) is not None:
+        x = x.base
+    return x

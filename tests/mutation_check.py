@@ -271,6 +271,9 @@ MUTANTS = (
            "buffers = PlanBuffers(capacity, *shape)",
            ("tests/test_torch_mla.py::test_a_strided_v_is_read_through_its_own_strides_and_the_workspace_is_as_wide_"
             "as_v",)),
+    Mutant("MLA's ckv and kpe joined in place wherever they share a buffer, in either order", "bsrattn/mla.py",
+           "            or b.ctypes.data != a.ctypes.data + a.shape[-1] * a.itemsize):", "            ):",
+           ("tests/test_mla.py::test_one_latent_cache_array_is_read_in_place[reference]",)),
     Mutant("a split_size off the tiles accepted", "bsrattn/validation.py", "    if size % SPLIT_ALIGN:", "    if False:",
            ("tests/test_partition_invariance.py::test_bad_deterministic_arguments_are_refused",)),
     Mutant("a row that starts off the chunk grid accepted", "bsrattn/validation.py",

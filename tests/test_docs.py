@@ -62,7 +62,7 @@ def test_every_page_of_the_nav_is_built(site):
                  "api/integrations/index.html"):
         assert (site / page).is_file(), page
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
-    assert len(notebooks) == 12
+    assert len(notebooks) == 13
     for stem in notebooks:
         assert (site / "notebooks" / stem / "index.html").is_file(), stem
 

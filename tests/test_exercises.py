@@ -157,6 +157,13 @@ PLANTED = [
         "    if soft_cap > 0:\n        s = soft_cap * np.tanh(s / soft_cap)\n")], "the soft cap, then ALiBi"),
     (23, "GQA heads laid out by np.tile", [("np.repeat(k, num_qo_heads // k.shape[1], axis=1)",
                                             "np.tile(k, (1, num_qo_heads // k.shape[1], 1))")], "expand_kv"),
+    (25, "MLA's key as kpe ⊕ ckv", [("np.concatenate([ckv, kpe], axis=-1)", "np.concatenate([kpe, ckv], axis=-1)")],
+     "MLA's formula"),
+    (25, "MLA's value as ckv ⊕ kpe", [("return q, k, k[..., :ckv.shape[-1]]", "return q, k, k")], "v's shape"),
+    (25, "both MLA concatenations rotary first", [
+        ("np.concatenate([q_nope, q_pe], axis=-1)", "np.concatenate([q_pe, q_nope], axis=-1)"),
+        ("np.concatenate([ckv, kpe], axis=-1)[..., None, :]\n    return q, k, k[..., :ckv.shape[-1]]",
+         "np.concatenate([kpe, ckv], axis=-1)[..., None, :]\n    return q, k, ckv[..., None, :]")], "ckv first"),
 ]
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import bsrattn as ba
+from bsrattn.mla import _as_attention
 from bsrattn.testing import assert_close
 from test_tiers import CORE_TIERS, TIERS, load_tier
 
@@ -117,6 +118,30 @@ def test_a_cascade_shares_its_prefix(tier):
     out = ba.mla_attention(*args, cascade, backend=tier.backend)
     want_o, _ = oracle(*values, flat)
     assert_close(tier.numpy(out), want_o, "attention", "float32", name=f"{tier.name} cascade out")
+
+
+def test_one_latent_cache_array_is_read_in_place(tier):
+    """``ckv`` and ``kpe`` as the two parts of one ``[..., Dc + Dr]`` cache (and ``q_nope``, ``q_pe`` of one query
+    array): the kernel reads that array as the key, no copy, and answers bit for bit as with separate copies; parts
+    in the other order, or from two arrays, are copied and still right."""
+    rng = np.random.default_rng(8)
+    layout = _paged(16, [1, 2], [70, 21], rng)
+    q_all = tier.array(rng.standard_normal((layout.nnz_qo, H, DC + DR)), "float32")
+    cache = tier.array(rng.standard_normal((layout.num_blocks, 16, DC + DR)), "float32")
+    parts = q_all[..., :DC], q_all[..., DC:], cache[..., :DC], cache[..., DC:]
+    q, k, v = _as_attention(*parts)
+    assert q.data_ptr() == q_all.data_ptr() if hasattr(q, "data_ptr") else np.shares_memory(q, q_all)
+    assert k.data_ptr() == cache.data_ptr() if hasattr(k, "data_ptr") else np.shares_memory(k, cache)
+    copies = [tier.array(tier.numpy(x), "float32") for x in parts]
+    want = tier.numpy(ba.mla_attention(*copies, layout, backend=tier.backend))
+    assert np.array_equal(tier.numpy(ba.mla_attention(*parts, layout, backend=tier.backend)), want)
+    assert_close(want, oracle(*map(tier.numpy, parts), layout)[0], "attention", "float32", name=f"{tier.name} out")
+
+    # The rotary part first in both arrays: the parts are not ``x ⊕ y`` of one row, so they are copied.
+    swapped = q_all[..., DR:], q_all[..., :DR], cache[..., DR:], cache[..., :DR]
+    out = ba.mla_attention(*swapped, layout, backend=tier.backend)
+    assert_close(tier.numpy(out), oracle(*map(tier.numpy, swapped), layout)[0], "attention", "float32",
+                 name=f"{tier.name} swapped parts")
 
 
 def test_deterministic_rows_are_bitwise_the_same_in_any_batch(tier):

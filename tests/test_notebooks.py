@@ -48,8 +48,8 @@ def gpu_results_exist() -> bool:
     return any(json.loads(p.read_text()).get("ceilings") for p in RESULTS.glob("*.json"))
 
 
-def test_the_twelve_notebooks_exist():
-    assert [p.name[:2] for p in PATHS] == [f"{i:02d}" for i in range(1, 13)], [p.name for p in PATHS]
+def test_the_thirteen_notebooks_exist():
+    assert [p.name[:2] for p in PATHS] == [f"{i:02d}" for i in range(1, 14)], [p.name for p in PATHS]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])

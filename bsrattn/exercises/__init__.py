@@ -29,7 +29,7 @@ Examples
 --------
 >>> from bsrattn.exercises import EXERCISES, SOLUTIONS, STUBS, grade
 >>> len(EXERCISES), EXERCISES[1].name
-(24, 'merge')
+(25, 'merge')
 >>> grade(EXERCISES[1], SOLUTIONS).status, grade(EXERCISES[1], STUBS).status
 ('pass', 'fail')
 """

@@ -216,6 +216,11 @@ EXERCISES = (
         "by its pool slots kv_slots(r) get a [qo_len, kv_len] block: True, and-ed with row_mask(r) when it is not "
         "None, and with the causal mask k_pos <= kv_len - qo_len + i when causal (positions are logical: i along "
         "the row).")),
+    Exercise(25, "mla-as-attention", "13_latent_attention", graders.mla_as_attention, hint=(
+        "Concatenate along the last axis (np.concatenate(..., axis=-1)), the latent part first in both q and k, and "
+        "give k a KV-head axis of 1 just before the last ([..., None, :]). The value is ckv alone, not ckv ⊕ kpe: "
+        "the key's first Dc columns, a view of it. Index from the end, and one expression serves ckv "
+        "[pages, page_size, Dc] and [slots, Dc].")),
 )
 """The course, in order."""
 

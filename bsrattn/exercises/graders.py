@@ -424,3 +424,47 @@ def gqa(mod: ModuleType) -> None:
         with case(f"expand_kv of k [{n}, {num_kv_heads}, 3] to {num_qo_heads} query heads"):
             got = mod.expand_kv(k.copy(), num_qo_heads)
             same(got, k[:, np.arange(num_qo_heads) // (num_qo_heads // num_kv_heads)], "expanded k")
+
+
+# ---- 25: multi-head latent attention ----------------------------------------------------------------------------
+
+def _mla(q_nope, q_pe, ckv, kpe, layout) -> np.ndarray:
+    """``o [nnz_qo, H, Dc]``, the float64 oracle of MLA over ``layout`` (no causal mask): each query's slots scored by
+    both dot products, weighting ``ckv`` itself."""
+    ckv, kpe = ckv.reshape(-1, ckv.shape[-1]), kpe.reshape(-1, kpe.shape[-1])
+    scale = 1 / math.sqrt(ckv.shape[-1] + kpe.shape[-1])
+    o = np.zeros(q_nope.shape)
+    for r in range(layout.num_rows):
+        slots = layout.kv_slots(r)
+        for row in range(int(layout.qo_indptr[r]), int(layout.qo_indptr[r + 1])):
+            s = scale * (q_nope[row] @ ckv[slots].T + q_pe[row] @ kpe[slots].T)       # [H, kv_len]
+            o[row] = _softmax(s, ckv[slots])[0]
+    return o
+
+
+def mla_as_attention(mod: ModuleType) -> None:
+    rng = seeded(25)
+    cases = [("2 decode requests over pages of 4, H 4, Dc 8, Dr 4",
+              ba.layouts.paged([1, 1], [[2, 0], [1]], [7, 3], page_size=4, num_pages=3), 4, 8, 4),
+             ("a ragged batch (block size 1: ckv [slots, Dc]), rows of 2 and 3 queries, H 6, Dc 16, Dr 8",
+              ba.layouts.ragged([2, 3], [9, 5]), 6, 16, 8),
+             ("3 requests over scattered pages of 8, one page shared, H 8, Dc 32, Dr 8",
+              ba.layouts.paged([1, 2, 1], [[4, 1], [3], [1, 0, 2]], [13, 6, 20], page_size=8, num_pages=5), 8, 32, 8)]
+    for name, layout, num_heads, dc, dr in cases:
+        pool = (layout.num_blocks,) if layout.block_size == 1 else (layout.num_blocks, layout.block_size)
+        q_nope = rng.standard_normal((layout.nnz_qo, num_heads, dc))
+        q_pe = rng.standard_normal((layout.nnz_qo, num_heads, dr))
+        ckv, kpe = rng.standard_normal(pool + (dc,)), rng.standard_normal(pool + (dr,))
+        args = tuple(x.copy() for x in (q_nope, q_pe, ckv, kpe))
+        with case(f"{name}: mla_as_attention(q_nope {q_nope.shape}, q_pe {q_pe.shape}, ckv {ckv.shape}, "
+                  f"kpe {kpe.shape})"):
+            q, k, v = (np.asarray(x) for x in parts(mod.mla_as_attention(*args), 3, "(q, k, v)"))
+            same(q.shape, (layout.nnz_qo, num_heads, dc + dr), "q's shape")
+            same(k.shape, pool + (1, dc + dr), "k's shape (one KV head, keys of Dc + Dr)")
+            same(v.shape, pool + (1, dc), "v's shape (one KV head, values of Dc: ckv, not ckv ⊕ kpe)")
+            close(ba.attention(q, k, v, layout), _mla(q_nope, q_pe, ckv, kpe, layout),
+                  "ba.attention(q, k, v, layout) against MLA's formula", rtol=1e-10, atol=1e-12)
+            same(v[..., 0, :], ckv, "v (ckv itself)")
+            same(k[..., 0, :dc], ckv, "k's first Dc columns (ckv first, then kpe)")
+            same(k[..., 0, dc:], kpe, "k's last Dr columns (kpe)")
+            same(q, np.concatenate([q_nope, q_pe], axis=-1), "q (q_nope first, then q_pe: in the key's order)")
