@@ -178,7 +178,7 @@ class BatchMLAAttention:
         """
         num_heads = as_int("num_heads", num_heads, minimum=1)
         dc = as_int("head_dim_ckv", head_dim_ckv, minimum=1)
-        dr = as_int("head_dim_kpe", head_dim_kpe, minimum=1)
+        dr = as_int("head_dim_kpe", head_dim_kpe, minimum=0)  # 0: MLA without a rotary part, as FlashInfer takes it
         self._attn.plan(layout, num_heads, 1, dc + dr, variant=variant, q_dtype=q_dtype, kv_dtype=kv_dtype,
                         num_ctas=num_ctas, fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
                         deterministic=deterministic, split_size=split_size, head_dim_vo=dc)

@@ -29,7 +29,7 @@ def oracle(q_nope, q_pe, ckv, kpe, layout, causal=False, sm_scale=None):
     """``(o [nnz_qo, H, Dc], lse [nnz_qo, H])`` in float64, straight from MLA's formula."""
     q_nope, q_pe = np.asarray(q_nope, np.float64), np.asarray(q_pe, np.float64)
     ckv = np.asarray(ckv, np.float64).reshape(-1, q_nope.shape[2])
-    kpe = np.asarray(kpe, np.float64).reshape(-1, q_pe.shape[2])
+    kpe = np.asarray(kpe, np.float64).reshape(len(ckv), q_pe.shape[2])
     scale = 1 / np.sqrt(q_nope.shape[2] + q_pe.shape[2]) if sm_scale is None else sm_scale
     o = np.zeros(q_nope.shape)
     lse = np.full(q_nope.shape[:2], -np.inf)
@@ -226,4 +226,4 @@ def test_a_run_that_does_not_fit_its_plan_is_refused():
     with pytest.raises(ValueError, match="the plan is for num_heads=8, head_dim_ckv=16, head_dim_kpe=8"):
         attn.run(np.zeros((1, H, DC - 1)), np.zeros((1, H, DR)), np.zeros((5, DC - 1)), np.zeros((5, DR)))
     with pytest.raises(ValueError, match="head_dim_kpe must be"):
-        attn.plan(layout, num_heads=H, head_dim_ckv=DC, head_dim_kpe=0)
+        attn.plan(layout, num_heads=H, head_dim_ckv=DC, head_dim_kpe=-1)
