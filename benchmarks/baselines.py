@@ -5,10 +5,10 @@ FlashInfer is never a dependency of bsrattn. :func:`flashinfer` imports it on de
 ``unavailable: <reason>`` and goes on. The wrappers used are its public Python API (0.6.x):
 ``BatchDecodeWithPagedKVCacheWrapper`` (CUDA-core and tensor-core decode), ``BatchPrefillWithRaggedKVCacheWrapper``
 and ``BatchPrefillWithPagedKVCacheWrapper`` (``backend="fa2"`` / ``"fa3"``), ``MultiLevelCascadeAttentionWrapper``
-(the cascade as shipped), ``merge_state_in_place`` (to build the same two-level cascade on fa2 kernels) and
-``BatchAttentionWithAttentionSinkWrapper`` (attention sinks). The decode and prefill adapters pass an attention
-variant's keywords on to ``plan`` (``logits_soft_cap``, ``window_left``, ``pos_encoding_mode``, ``rope_theta``,
-``rope_scale``).
+(the cascade as shipped), ``merge_state_in_place`` (to build the same two-level cascade on fa2 kernels),
+``BatchAttentionWithAttentionSinkWrapper`` (attention sinks) and ``BatchMLAPagedAttentionWrapper`` (MLA,
+``backend="fa2"`` / ``"fa3"``). The decode and prefill adapters pass an attention variant's keywords on to
+``plan`` (``logits_soft_cap``, ``window_left``, ``pos_encoding_mode``, ``rope_theta``, ``rope_scale``).
 
 FlashInfer compiles each kernel family the first time it is planned (JIT, ~13 s for decode, longer for
 prefill). ``python3 -m benchmarks.baselines prebuild [--quick]`` plans every family the suite uses on a tiny
@@ -106,6 +106,30 @@ def sink_prefill_wrapper(qo_indptr, indptr, indices, last_page_len, *, num_qo_he
                                                         head_dim_vo=head_dim)
     wrapper.plan(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                  causal=causal, q_data_type=dtype, kv_data_type=dtype)
+    return wrapper
+
+
+def mla_wrapper(qo_indptr, kv_indptr, kv_indices, kv_lens, *, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+                sm_scale, dtype, backend):
+    """A planned ``BatchMLAPagedAttentionWrapper`` (``backend`` ``"fa2"`` or ``"fa3"``) over a paged latent cache, no
+    causal mask (decode). Call ``.run(q_nope, q_pe, ckv, kpe, out=)``: ``ckv [num_pages, page_size, head_dim_ckv]``
+    and ``kpe [num_pages, page_size, head_dim_kpe]``, read by their page and slot strides (views of one cache
+    array do).
+
+    Parameters
+    ----------
+    qo_indptr, kv_indptr : ``[B+1]`` int32
+        Where each request's query rows and pages start (a bsrattn layout's ``qo_indptr``, ``kv_indptr``).
+    kv_indices : ``[nnz_pages]`` int32
+    kv_lens : ``[B]`` int32
+        Each request's KV length in tokens (0.6.6's ``plan`` docstring calls this ``kv_len_arr`` "the query length").
+    sm_scale : float
+        ``plan`` takes it without default.
+    """
+    fi = flashinfer()
+    wrapper = fi.BatchMLAPagedAttentionWrapper(workspace(), backend=backend)
+    wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, num_heads, head_dim_ckv, head_dim_kpe, page_size, False,
+                 sm_scale, dtype, dtype)
     return wrapper
 
 
@@ -230,7 +254,16 @@ def _tiny_merge(dtype):
     flashinfer().merge_state_in_place(o, s, o.clone(), s.clone())
 
 
-def prebuild_steps(quick: bool, workloads=("w1", "w2", "w3", "w4", "w5", "w6", "w8", "w10")):
+def _tiny_mla(dtype, backend):
+    import torch
+
+    i32 = dict(dtype=torch.int32, device="cuda")
+    mla_wrapper(torch.tensor([0, 1], **i32), torch.tensor([0, 1], **i32), torch.tensor([0], **i32),
+                torch.tensor([64], **i32), num_heads=128, head_dim_ckv=512, head_dim_kpe=64, page_size=64,
+                sm_scale=576 ** -0.5, dtype=dtype, backend=backend)
+
+
+def prebuild_steps(quick: bool, workloads=("w1", "w2", "w3", "w4", "w5", "w6", "w8", "w10", "w11")):
     """``(name, fn)`` per FlashInfer JIT module the selected workloads use, in the order they need them."""
     import torch
 
@@ -264,6 +297,9 @@ def prebuild_steps(quick: bool, workloads=("w1", "w2", "w3", "w4", "w5", "w6", "
               for name, plan in VARIANT_MODULES.items() if name in ("soft cap", "sliding window")]
     steps += [(f"attention sinks bf16 {backend}", "w10", "", partial(_tiny_sink, bf16, backend))
               for backend in ("fa2", "fa3")]
+    # W11: a module per dtype and backend (the head dimensions, 512 and 64, are DeepSeek's).
+    steps += [(f"MLA {name} {backend}", "w11", "w11" if dtype is bf16 else "", partial(_tiny_mla, dtype, backend))
+              for name, dtype in (("bf16", bf16), ("fp16", f16)) for backend in ("fa2", "fa3")]
     return [(name, fn) for name, users, quick_users, fn in steps
             if set((quick_users if quick else users).split()) & set(workloads)]
 
@@ -291,7 +327,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Build FlashInfer's JIT modules that the benchmark suite uses.")
     p.add_argument("command", choices=["prebuild"])
     p.add_argument("--quick", action="store_true", help="only the modules the --quick suite uses")
-    p.add_argument("--workloads", default="w1,w2,w3,w4,w5,w6,w8,w10", help="comma-separated workloads to build for")
+    p.add_argument("--workloads", default="w1,w2,w3,w4,w5,w6,w8,w10,w11", help="comma-separated workloads to build for")
     args = p.parse_args(argv)
     return prebuild(args.quick, [w.strip() for w in args.workloads.split(",")])
 

@@ -10,7 +10,9 @@
 - W7: the makespan ratios and the read-amplification model against its expectation;
 - W8: host time per call of a tight loop, per configuration;
 - W9: a transformers model's time per decode step, per configuration;
-- W10: each variant's time over the same implementation's time with no variant, one panel per case.
+- W10: each variant's time over the same implementation's time with no variant, one panel per case;
+- W11: fraction of the bound achieved (bytes over the copy bandwidth or FLOPs over the GEMM rate, the larger), per
+  configuration.
 """
 
 from __future__ import annotations
@@ -84,15 +86,20 @@ def plot_w1(payload, fig):
     _legend(axes[-1], fontsize=7)
 
 
-def plot_w2(payload, fig):
+def _fractions(payload, fig, ylabel: str):
+    """Bars of each implementation's bound / time, per configuration."""
     recs = [r for r in _ok(payload["records"]) if "fraction" in r]
     labels = _configs(recs)
     series = {impl: {config_label(r["config"]): r["fraction"] for r in recs if r["impl"] == impl}
               for impl in _impls(recs)}
     ax = fig.subplots()
-    _bars(ax, labels, series, "bound / time (fraction of copy bandwidth)")
+    _bars(ax, labels, series, ylabel)
     ax.axhline(1.0, color="k", ls="--", lw=1)
     _legend(ax, fontsize=7, ncol=2)
+
+
+def plot_w2(payload, fig):
+    _fractions(payload, fig, "bound / time (fraction of copy bandwidth)")
 
 
 def plot_w3(payload, fig):
@@ -234,9 +241,13 @@ def plot_w10(payload, fig):
         _legend(ax, fontsize=7)
 
 
+def plot_w11(payload, fig):
+    _fractions(payload, fig, "bound / time (bytes / copy bw or FLOPs / GEMM rate, the larger)")
+
+
 PLOTS = {"w1_quest_decode": plot_w1, "w2_paged_decode": plot_w2, "w3_prefill": plot_w3, "w4_split_kv": plot_w4,
          "w5_cascade": plot_w5, "w6_plan_host": plot_w6, "w7_cpu_models": plot_w7, "w8_run_host": plot_w8,
-         "w9_transformers": plot_w9, "w10_variants": plot_w10}
+         "w9_transformers": plot_w9, "w10_variants": plot_w10, "w11_mla_decode": plot_w11}
 
 
 def draw(payload, path: Path, dpi: int = 90) -> Path:

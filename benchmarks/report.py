@@ -14,7 +14,7 @@ from pathlib import Path
 from benchmarks.records import RESULTS_DIR, config_label, load_results
 
 ORDER = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
-         "w7_cpu_models", "w8_run_host", "w9_transformers", "w10_variants")
+         "w7_cpu_models", "w8_run_host", "w9_transformers", "w10_variants", "w11_mla_decode")
 NO_SPLIT = "-no-split"
 DETERMINISTIC = "-deterministic"
 STATUS_MARK = {"unavailable": "n/a", "error": "error", "incorrect": "WRONG", "skipped": "skipped"}
@@ -121,6 +121,11 @@ def _vs_flashinfer(table, row) -> str:
 def _tbps(table, row) -> str:
     rec = table.rows[row].get("bsrattn-torch")
     return f"{rec['tb_per_s']:.2f}" if rec is not None and _ok(rec) and "tb_per_s" in rec else "—"
+
+
+def _torch_tflops(table, row) -> str:
+    rec = table.rows[row].get("bsrattn-torch")
+    return f"{rec['tflop_per_s']:.0f}" if rec is not None and _ok(rec) and "tflop_per_s" in rec else "—"
 
 
 def _tflops(rec) -> str:
@@ -291,6 +296,8 @@ SECTIONS = {
     "w8_run_host": table_w8,
     "w9_transformers": table_w9,
     "w10_variants": table_w10,
+    "w11_mla_decode": lambda p: table_timed(p, [("bsrattn-torch TB/s", _tbps), ("bsrattn-torch TFLOP/s", _torch_tflops),
+                                                ("FlashInfer best / bsrattn-torch", _vs_flashinfer)]),
 }
 
 

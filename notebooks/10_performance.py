@@ -14,7 +14,7 @@
 # %% [markdown]
 # # 10. Performance: the H200 results, viewed anywhere
 #
-# The benchmark suite (`benchmarks/`) runs ten workloads on an NVIDIA H200 — the site's *Benchmark results* page
+# The benchmark suite (`benchmarks/`) runs eleven workloads on an NVIDIA H200 — the site's *Benchmark results* page
 # lists them with their targets — and writes one JSON file per workload under `benchmarks/results/`, with the
 # environment it ran in and every figure. This notebook reads those files — it needs no GPU — and draws them with
 # the suite's own plotting code.
@@ -80,9 +80,9 @@ gpu_results = {name: payload for name, payload in results.items() if payload.get
 #
 # One figure per workload measured on a GPU: latency against the Quest budget with the bound (W1), the fraction
 # of copy bandwidth (W2), TFLOP/s (W3), speedups of split-KV and of the cascade (W4, W5), `plan()`'s host
-# time (W6), the host time of one call in a tight loop (W8), a transformers model's decode step (W9), and what
-# each attention variant costs (W10). The cell draws only what exists. Times are graph-mode (a replayed CUDA
-# graph: GPU time) except
+# time (W6), the host time of one call in a tight loop (W8), a transformers model's decode step (W9), what
+# each attention variant costs (W10), and the fraction of its bound MLA decode reaches (W11). The cell draws only
+# what exists. Times are graph-mode (a replayed CUDA graph: GPU time) except
 # where an implementation could not be captured: the numba tier's launches are Numba's, outside torch's graphs,
 # so it is timed *queued*: each call made from Python behind a spin kernel long enough to hide its launch
 # overhead, so the figure is its GPU time, as a graph's is (its eager time, launch overhead included, is in the

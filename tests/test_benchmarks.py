@@ -12,10 +12,10 @@ import bsrattn as ba
 from bsrattn.indexing import ceil_div
 from bsrattn.testing import scattered_page_tables
 from benchmarks import baselines, ceilings, correctness, harness, plots, records, report, run_all, timing
-from benchmarks import w3_prefill, w7_cpu_models, w10_variants
+from benchmarks import w3_prefill, w7_cpu_models, w10_variants, w11_mla_decode
 
 GPU_SCRIPTS = ("w1_quest_decode", "w2_paged_decode", "w3_prefill", "w4_split_kv", "w5_cascade", "w6_plan_host",
-               "w8_run_host", "w9_transformers", "w10_variants")
+               "w8_run_host", "w9_transformers", "w10_variants", "w11_mla_decode")
 
 
 def _dry_suite(tmp_path=None, impls=None):
@@ -235,6 +235,8 @@ def test_gpu_script_dry_run(name, tmp_path):
         assert all(r["check"]["ok"] and r["check"]["rows_checked"] > 0 for r in checked)
     if name == "w10_variants":
         _check_w10(payload["records"])
+    if name == "w11_mla_decode":
+        _check_w11(payload["records"])
 
 
 def _check_w10(records):
@@ -246,6 +248,22 @@ def _check_w10(records):
     assert recs["decode", "window"]["bytes"] < recs["decode", "none"]["bytes"] == recs["decode", "sinks"]["bytes"]
     assert recs["prefill", "window"]["flops"] < recs["prefill", "none"]["flops"] == recs["prefill", "alibi"]["flops"]
     assert w10_variants.band_flops([1024] * 16, -1, 32, 128) == w3_prefill.causal_flops([1024] * 16, 32, 128)
+
+
+def _check_w11(records):
+    """W11's dry run: bsrattn and the absorbed SDPA checked at every configuration, each with the work MLA needs (the
+    latent slots once for all heads, FLOPs of every head over them)."""
+    s = w11_mla_decode.DRY_SHAPE
+    configs = [{"dtype": d, "page_size": p, "batch": b, "kv_len": n} for d, p, b, n in w11_mla_decode.DRY_CONFIGS]
+    for config in configs:
+        recs = {r["impl"]: r for r in records if r["config"] == config}
+        assert recs["bsrattn-reference"]["status"] == recs["sdpa-absorbed"]["status"] == "ok"
+        b, n, page = config["batch"], config["kv_len"], config["page_size"]
+        width = s.head_dim_ckv + s.head_dim_kpe
+        pages = b * -(-n // page)
+        assert {r["flops"] for r in recs.values()} == {b * n * s.num_heads * (2 * width + 2 * s.head_dim_ckv)}
+        assert {r["bytes"] for r in recs.values()} == {
+            2 * (b * n * width + b * s.num_heads * (width + s.head_dim_ckv)) + 4 * (pages + 2 * b + 1)}
 
 
 def test_w10_alibi_slopes_are_the_geometric_ones():
@@ -263,6 +281,8 @@ def test_prebuild_builds_what_each_run_needs():
         "ragged prefill bf16 fa2", "ragged prefill bf16 fa3",
         "paged prefill bf16 fa2, causal and not (W3's shared prefix)", "paged prefill bf16 fa3",
         "merge_state_in_place bf16"]
+    assert [name for name, _ in baselines.prebuild_steps(True, ["w11"])] == ["MLA bf16 fa2", "MLA bf16 fa3"]
+    assert [name for name, _ in baselines.prebuild_steps(False, ["w11"])][2:] == ["MLA fp16 fa2", "MLA fp16 fa3"]
 
 
 # ---- plots and report from JSON alone ---------------------------------------------------------------------
@@ -323,7 +343,14 @@ def synthetic_payloads():
                                           ("prefill", "window", "bsrattn-torch", 200.0),
                                           ("prefill", "window", "flashinfer-fa2", 300.0))]
     w10.append(_rec({"case": "decode", "variant": "sinks"}, "flashinfer-paged-fa2", status="unavailable"))
-    return {name: payload(name, recs) for name, recs in zip(GPU_SCRIPTS, (w1, w2, w3, w4, w5, w6, w8, w9, w10))}
+    w11 = [_timed({"dtype": "bfloat16", "page_size": 64, "batch": b, "kv_len": 4096}, impl, t * b, 40.0 * b,
+                  tb_per_s=3.0, tflop_per_s=500.0)
+           for b in (1, 32) for impl, t in (("bsrattn-torch", 50.0), ("flashinfer-mla-fa2", 60.0),
+                                            ("flashinfer-mla-fa3", 45.0))]
+    w11.append(_rec({"dtype": "bfloat16", "page_size": 64, "batch": 1, "kv_len": 4096}, "sdpa-absorbed",
+                    status="unavailable"))
+    return {name: payload(name, recs)
+            for name, recs in zip(GPU_SCRIPTS, (w1, w2, w3, w4, w5, w6, w8, w9, w10, w11))}
 
 
 def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
@@ -334,7 +361,7 @@ def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     assert sorted(p.stem for p in drawn) == sorted(report.ORDER)
     assert all(p.stat().st_size > 5000 for p in drawn)
     text = report.write_summary(tmp_path).read_text()
-    assert text.count("\n## ") == 10 and "Not run yet" not in text
+    assert text.count("\n## ") == 11 and "Not run yet" not in text
     for name in report.ORDER:
         assert f"python3 -m benchmarks.{name}" in text and f"![{name}]({name}.png)" in text
     assert "| seq_len=4096 budget=64 | 4.0 | 7.0 (0.57) | 40.0 (0.10) | n/a | 3.00 |" in text
@@ -351,12 +378,15 @@ def test_plots_and_report_from_json_alone(tmp_path, w7_payload):
     assert "| soft_cap | 88.0 (+10%) | 120.0 (+25%) | — | 1.36x |" in text
     assert "| sinks | — | — | n/a | — |" in text and "| sigmoid | 100.0 (+25%) | — | — | — |" in text
     assert "| window | 200.0 (-33%) | 300.0 (-30%) | 1.50x |" in text
+    # W11: bound, bsrattn, fa2, fa3, SDPA; bsrattn's TB/s and TFLOP/s; FlashInfer's best (fa3) / bsrattn
+    assert ("| dtype=bfloat16 page_size=64 batch=1 kv_len=4096 | 40.0 | 50.0 (0.80) | 60.0 (0.67) | 45.0 (0.89) | n/a "
+            "| 3.00 | 500 | 0.90x |") in text
 
 
 def test_plots_survive_records_without_times(tmp_path):
     """A dry run or a run where everything failed has no times: the figures still draw, empty."""
     for name, payload in synthetic_payloads().items():
-        if name not in ("w1_quest_decode", "w4_split_kv", "w6_plan_host", "w10_variants"):
+        if name not in ("w1_quest_decode", "w4_split_kv", "w6_plan_host", "w10_variants", "w11_mla_decode"):
             continue
         empty = dict(payload, records=[dict(r, status="unavailable", reason="dry run") for r in payload["records"]])
         assert plots.draw(empty, tmp_path / f"{name}.png").stat().st_size > 0
@@ -370,5 +400,5 @@ def test_run_all_deadlines_and_selection(capsys):
     assert scaled["w2"] == pytest.approx(95.0) and 0 < scaled["w1"] < scaled["w2"]
     assert run_all._deadlines(["w3"], False, None, 0.0) == {"w3": None}
     with pytest.raises(SystemExit):
-        run_all.main(["--only", "w11"])
-    assert "unknown workloads ['w11']" in capsys.readouterr().err
+        run_all.main(["--only", "w12"])
+    assert "unknown workloads ['w12']" in capsys.readouterr().err
