@@ -46,11 +46,13 @@ Examples
 
 from __future__ import annotations
 
+import math
+
 from bsrattn._types import Array, DType
 from bsrattn.api import BatchAttention, _levels, attention
 from bsrattn.backends import Backend
 from bsrattn.cascade import Cascade
-from bsrattn.coerce import as_int
+from bsrattn.coerce import as_int, as_real
 from bsrattn.layout import BSRLayout
 from bsrattn.validation import check_array, dtype_name, shape_of
 from bsrattn.variant import Variant
@@ -60,8 +62,9 @@ __all__ = ["mla_attention", "BatchMLAAttention"]
 
 def mla_attention(q_nope: Array, q_pe: Array, ckv: Array, kpe: Array, layout: BSRLayout | Cascade, *,
                   variant: Variant | None = None, return_lse: bool = False, out: Array | None = None,
-                  lse: Array | None = None, backend: str | Backend | None = None, deterministic: bool = False,
-                  split_size: int | None = None, kernel: str | None = None) -> Array | tuple[Array, Array]:
+                  lse: Array | None = None, ckv_scale: float | None = None, kpe_scale: float | None = None,
+                  backend: str | Backend | None = None, deterministic: bool = False, split_size: int | None = None,
+                  kernel: str | None = None) -> Array | tuple[Array, Array]:
     """MLA of every query row over its latent KV, for any layout (see the module docstring for the formula).
 
     Parameters
@@ -81,6 +84,10 @@ def mla_attention(q_nope: Array, q_pe: Array, ckv: Array, kpe: Array, layout: BS
         Also return ``lse [nnz_qo, H]``, float32, natural log.
     out, lse : arrays, optional
         Buffers to write into: ``out [nnz_qo, H, Dc]`` in ``q_nope``'s dtype, ``lse [nnz_qo, H]``.
+    ckv_scale, kpe_scale : float, optional
+        Dequantisation scales of an fp8 cache (FlashInfer's names; any KV dtype takes them): the latent is
+        ``ckv * ckv_scale`` in the scores and the output alike, the rotary key ``kpe * kpe_scale``. None: 1.
+        :func:`_scales` says how they reach the kernel.
     backend, deterministic, split_size, kernel
         As :func:`bsrattn.attention` takes them.
 
@@ -115,9 +122,10 @@ def mla_attention(q_nope: Array, q_pe: Array, ckv: Array, kpe: Array, layout: BS
     True
     """
     _check_operands(q_nope, q_pe, ckv, kpe, _levels(layout)[0])
+    q_pe, scale = _scales(q_pe, ckv_scale, kpe_scale)
     q, k, v = _as_attention(q_nope, q_pe, ckv, kpe)
     return attention(q, k, v, layout, variant=variant, backend=backend, return_lse=return_lse, out=out, lse=lse,
-                     deterministic=deterministic, split_size=split_size, kernel=kernel)
+                     k_scale=scale, v_scale=scale, deterministic=deterministic, split_size=split_size, kernel=kernel)
 
 
 class BatchMLAAttention:
@@ -195,8 +203,9 @@ class BatchMLAAttention:
         return self._attn.graph_key
 
     def run(self, q_nope: Array, q_pe: Array, ckv: Array, kpe: Array, *, out: Array | None = None,
-            lse: Array | None = None, return_lse: bool = False) -> Array | tuple[Array, Array]:
-        """Execute the plan (operands as :func:`mla_attention` takes them); may be called many times.
+            lse: Array | None = None, return_lse: bool = False, ckv_scale: float | None = None,
+            kpe_scale: float | None = None) -> Array | tuple[Array, Array]:
+        """Execute the plan (operands and scales as :func:`mla_attention` takes them); may be called many times.
 
         Raises
         ------
@@ -212,8 +221,9 @@ class BatchMLAAttention:
         if got != (num_heads, dc, dr):
             raise ValueError(f"q_nope, q_pe, ckv and kpe have H={got[0]}, Dc={got[1]}, Dr={got[2]}; the plan is for "
                              f"num_heads={num_heads}, head_dim_ckv={dc}, head_dim_kpe={dr}")
+        q_pe, scale = _scales(q_pe, ckv_scale, kpe_scale)
         q, k, v = _as_attention(q_nope, q_pe, ckv, kpe)
-        return self._attn.run(q, k, v, out=out, lse=lse, return_lse=return_lse)
+        return self._attn.run(q, k, v, out=out, lse=lse, return_lse=return_lse, k_scale=scale, v_scale=scale)
 
 
 def _check_operands(q_nope, q_pe, ckv, kpe, level: BSRLayout) -> tuple:
@@ -244,6 +254,30 @@ def _check_operands(q_nope, q_pe, ckv, kpe, level: BSRLayout) -> tuple:
         if _kind(x) is not _kind(y):
             raise TypeError(f"{a} is a {type(x).__name__} but {b} a {type(y).__name__}; they must be of one kind")
     return qn[1], qn[2], qp[2]
+
+
+def _scales(q_pe, ckv_scale, kpe_scale) -> tuple:
+    """``(q_pe, scale)``: ``ckv_scale`` and ``kpe_scale`` as attention's ``k_scale = v_scale = scale``.
+
+    The key ``ckv ⊕ kpe`` has one scale in attention, ``ckv_scale`` (the value, ``ckv``, has it too); a different
+    ``kpe_scale`` goes into the queries' rotary part instead, ``q_pe * (kpe_scale / ckv_scale)``, since
+    ``q_pe . (kpe * kpe_scale) = (q_pe * kpe_scale / ckv_scale) . kpe * ckv_scale``: a copy of ``q_pe``, rounded to
+    its dtype, and never of the cache. Either scale None is 1; each must be a positive finite float.
+    """
+    checked = []
+    for name, scale in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
+        value = 1.0 if scale is None else as_real(name, scale)
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+        checked.append(value)
+    ckv_scale, kpe_scale = checked
+    if kpe_scale != ckv_scale:  # the product in float64, then rounded once to q_pe's dtype
+        ratio = kpe_scale / ckv_scale
+        if _kind(q_pe).__module__.startswith("numpy"):
+            q_pe = (q_pe.astype("float64") * ratio).astype(q_pe.dtype)
+        else:
+            q_pe = (q_pe.double() * ratio).to(q_pe.dtype)
+    return q_pe, None if ckv_scale == 1.0 else ckv_scale
 
 
 def _kind(x):

@@ -15,6 +15,7 @@ import pytest
 import bsrattn as ba
 from bsrattn.mla import _as_attention
 from bsrattn.testing import assert_close
+from helpers import rounded
 from test_tiers import CORE_TIERS, TIERS, load_tier
 
 H, DC, DR = 8, 16, 8
@@ -166,6 +167,35 @@ def test_float16_matches_the_formula(tier):
     out = ba.mla_attention(*args, layout, variant=ba.Variant(causal=True), backend=tier.backend)
     assert_close(tier.numpy(out), oracle(*values, layout, causal=True)[0], "attention", "float16",
                  name=f"{tier.name} float16 out")
+
+
+def test_an_fp8_cache_with_its_scales(tier):
+    """fp8 ``ckv`` and ``kpe`` with ``ckv_scale`` and ``kpe_scale`` (unequal: the rotary part's scale goes into
+    ``q_pe``), one-shot and planned: MLA's formula over the dequantised cache, ``ckv * ckv_scale`` the value too."""
+    rng = np.random.default_rng(9)
+    layout = _paged(16, [1, 2], [70, 21], rng)
+    pool = (layout.num_blocks, layout.block_size)
+    shapes = {"float16": ((layout.nnz_qo, H, DC), (layout.nnz_qo, H, DR)), "float8_e4m3fn": (pool + (DC,),
+                                                                                          pool + (DR,))}
+    values = [rounded(rng.standard_normal(s), dtype) for dtype, pair in shapes.items() for s in pair]
+    args = [tier.array(v, dtype) for v, dtype in zip(values, ["float16"] * 2 + ["float8_e4m3fn"] * 2)]
+    scales = dict(ckv_scale=0.5, kpe_scale=3.0)
+    want_o, want_lse = oracle(*values[:2], values[2] * 0.5, values[3] * 3.0, layout)
+    out, lse = ba.mla_attention(*args, layout, backend=tier.backend, return_lse=True, **scales)
+    assert_close(tier.numpy(out), want_o, "attention", "float16", name=f"{tier.name} fp8 out")
+    assert_close(tier.numpy(lse), want_lse, "lse", "float16", name=f"{tier.name} fp8 lse")
+    attn = ba.BatchMLAAttention(backend=tier.backend)
+    attn.plan(layout, num_heads=H, head_dim_ckv=DC, head_dim_kpe=DR, q_dtype="float16", kv_dtype="float8_e4m3fn")
+    assert_close(tier.numpy(attn.run(*args, **scales)), want_o, "attention", "float16",
+                 name=f"{tier.name} fp8 planned out")
+
+
+@pytest.mark.parametrize("scales, match", [(dict(ckv_scale=0.0), "ckv_scale must be a positive finite float"),
+                                           (dict(kpe_scale=float("inf")), "kpe_scale must be a positive finite"),
+                                           (dict(kpe_scale="2"), "kpe_scale")])
+def test_bad_scales_are_refused_by_name(scales, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        _bad_call(**scales)
 
 
 def test_the_scale_defaults_to_both_widths_and_follows_the_variant():

@@ -38,3 +38,21 @@ def test_deepseek_v3_decode_matches_the_reference(page, batch, dtype):
     name = f"page {page}, batch {batch}, {dtype}"
     assert_close(out.float().cpu().numpy(), want_o, "attention", dtype, name=f"{name} out")
     assert_close(lse.cpu().numpy(), want_lse, "lse", dtype, name=f"{name} lse")
+
+
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+def test_deepseek_v3_decode_over_an_fp8_cache_with_scales(fp8):
+    """An fp8 latent cache, ``ckv_scale`` and ``kpe_scale`` unequal, bf16 queries: the reference tier in float64 on
+    the same dequantised values (``test_mla.py`` holds the same call to the formula under the simulators)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    kv_lens = [KV] * 8
+    tables, num_pages = scattered_page_tables(rng, kv_lens, 64, spare_pages=4)
+    layout = ba.layouts.paged([1] * 8, tables, kv_lens, page_size=64, num_pages=num_pages)
+    q_nope, q_pe = (torch.randn((8, H, d), dtype=torch.bfloat16, device="cuda") for d in (DC, DR))
+    cache = torch.randn((num_pages, 64, DC + DR), device="cuda").to(getattr(torch, fp8))
+    args = (q_nope, q_pe, cache[..., :DC], cache[..., DC:])
+    scales = dict(ckv_scale=0.5, kpe_scale=2.0)
+    out = ba.mla_attention(*args, layout, backend="torch", **scales)
+    want = ba.mla_attention(*[x.double().cpu().numpy() for x in args], layout, backend="reference", **scales)
+    assert_close(out.float().cpu().numpy(), want, "attention", fp8, name=f"{fp8} out")
