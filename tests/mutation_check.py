@@ -269,11 +269,16 @@ MUTANTS = (
     Mutant("a workspace as wide as k, not v (head_dim_vo): torch", "bsrattn/torch_cuda/runner.py",
            "buffers = PlanBuffers(capacity, *shape, head_dim_vo=spec.head_dim_vo)",
            "buffers = PlanBuffers(capacity, *shape)",
-           ("tests/test_torch_mla.py::test_a_strided_v_is_read_through_its_own_strides_and_the_workspace_is_as_wide_"
+           ("tests/test_torch_mla.py::test_v_in_k_read_from_the_key_v_apart_by_its_strides_and_the_workspace_as_wide_"
             "as_v",)),
     Mutant("MLA's ckv and kpe joined in place wherever they share a buffer, in either order", "bsrattn/mla.py",
            "            or b.ctypes.data != a.ctypes.data + a.shape[-1] * a.itemsize):", "            ):",
            ("tests/test_mla.py::test_one_latent_cache_array_is_read_in_place[reference]",)),
+    Mutant("v read from the key's tile whatever v is (value_in_key)", "bsrattn/torch_cuda/runner.py",
+           "            and v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]",
+           "            and True",
+           ("tests/test_torch_mla.py::test_v_in_k_read_from_the_key_v_apart_by_its_strides_and_the_workspace_as_wide_"
+            "as_v",)),
     Mutant("MLA's kpe_scale left out of q_pe", "bsrattn/mla.py",
            "    if kpe_scale != ckv_scale:  # the product in float64, then rounded once to q_pe's dtype", "    if False:",
            ("tests/test_mla.py::test_an_fp8_cache_with_its_scales[reference]",)),

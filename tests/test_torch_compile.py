@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 # name: (q dtype, kv dtype, head_dim, group size, tile_q, kv view, block size, variant flags); with head_dim_vo in
-# the flags, v is the key's first head_dim_vo elements (a strided view, as multi-head latent attention passes it)
+# the flags, v is the key's first head_dim_vo elements (a strided view, as multi-head latent attention passes it),
+# read by its own strides or, with value_in_key, from the key's tile (LaunchConfig.value_in_key)
 CONFIGS = {
     "decode fp16, paged, G4, sparse path only": ("float16", "float16", 128, 4, 4, "NHD", 16, dict(affine_rows=False)),
     "decode bf16 + fp8-e4m3 KV, ALiBi, soft cap, G8": ("bfloat16", "float8_e4m3fn", 128, 8, 2, "NHD", 16,
@@ -71,6 +72,12 @@ CONFIGS = {
                                                             dict(head_dim_vo=512)),
     "MLA decode fp16, DeepSeek's 576 / 512, G128, page 1": ("float16", "float16", 576, 128, 1, "NHD3", 1,
                                                            dict(head_dim_vo=512)),
+    "MLA decode bf16, DeepSeek's 576 / 512, G128, page 64, the value read from the key": (
+        "bfloat16", "bfloat16", 576, 128, 1, "NHD", 64, dict(head_dim_vo=512, value_in_key=True)),
+    "MLA decode bf16 + fp8-e4m3 cache, DeepSeek's 576 / 512, G128, page 1, the value read from the key": (
+        "bfloat16", "float8_e4m3fn", 576, 128, 1, "NHD3", 1, dict(head_dim_vo=512, value_in_key=True)),
+    "MLA speculative rows fp16, causal, head_dim 24 / dim_vo 16, G8, the value read from the key": (
+        "float16", "float16", 24, 8, 4, "NHD", 16, dict(head_dim_vo=16, value_in_key=True, causal=True)),
 }
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 WORKERS = 2
@@ -107,11 +114,14 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group_size, tile_q, view, blo
     hkv, blocks = 2, 8
     hq = hkv * group_size
     dim_vo = flags.get("head_dim_vo", head_dim)
-    t = cfg.tiles(cfg.block_m(tile_q, group_size), head_dim, q_dtype, head_dim_vo=flags.get("head_dim_vo"))
+    in_key = flags.get("value_in_key", False)
+    t = cfg.tiles(cfg.block_m(tile_q, group_size), head_dim, q_dtype, head_dim_vo=flags.get("head_dim_vo"),
+                  value_in_key=in_key)
     config = cfg.LaunchConfig(
         num_ctas=4, num_kv_heads=hkv, group_size=group_size, head_dim=head_dim, head_dim_vo=dim_vo,
-        block_size=block_size, block_m=t.block_m, block_n=t.block_n, block_d=cfg.block_d(head_dim),
-        block_dv=cfg.block_d(dim_vo), num_warps=t.num_warps, num_stages=t.num_stages,
+        block_size=block_size, block_m=t.block_m, block_n=t.block_n,
+        block_d=cfg.block_d(dim_vo if in_key else head_dim), block_dv=cfg.block_d(dim_vo), value_in_key=in_key,
+        num_warps=t.num_warps, num_stages=t.num_stages,
         kv_view=view, causal=flags.get("causal", False), window_left=flags.get("window_left", -1),
         soft_cap=flags.get("soft_cap", False), alibi=flags.get("alibi", False), sigmoid=flags.get("sigmoid", False),
         rope=flags.get("rope", False), custom_mask=flags.get("custom_mask", False),
@@ -294,10 +304,13 @@ def test_attention_kernel_compiles_for_sm90():
         assert result["fp_atomics"] == 0, (name, "no floating-point atomics anywhere")
         assert result["shared"] <= 227 * 1024, (name, result)
     # A plan that splits no row compiles the kernel without merges, which keeps a prefill tile's state in
-    # registers: no stack (with merges, the same tile spills); so does the item kernel.
+    # registers: no stack (with merges, the same tile spills); so does the item kernel. MLA's decode with the value
+    # read from the key keeps its 32 x 512 accumulator in registers too over a 16-bit cache (with the 1024-wide key,
+    # it spills; an fp8 cache's conversions spill 24 bytes).
     for name in ("prefill bf16, ragged 3-D, causal, M128, a plan without merges",
                  "prefill bf16, ragged 3-D, causal, the item kernel",
-                 "prefill bf16, ragged 3-D, causal, the item kernel with tensor descriptors"):
+                 "prefill bf16, ragged 3-D, causal, the item kernel with tensor descriptors",
+                 "MLA decode bf16, DeepSeek's 576 / 512, G128, page 64, the value read from the key"):
         if "stack" in results[name]:
             assert results[name]["stack"] == 0, (name, results[name])
 

@@ -115,7 +115,8 @@ def block_m(tile_q: int, group_size: int) -> int:
     return min(128, max(16, next_pow2(tile_q * group_size)))
 
 
-def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False, head_dim_vo: int | None = None) -> Tiles:
+def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False, head_dim_vo: int | None = None,
+          value_in_key: bool = False) -> Tiles:
     """Tile shapes for an M tile of ``m`` rows. ``dtype`` is ``q``'s (fp32 dots run on CUDA cores: smaller tiles);
     ``head_dim_vo`` is ``v``'s head dimension where it is not ``head_dim``'s, and the wider of the two tiles decides.
 
@@ -126,9 +127,14 @@ def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False, head_dim_v
     of wgmma), 3 stages. Shared memory per stage is ``block_n x block_d`` for each of K and V; every choice keeps a CTA
     inside the H200's 227 KiB (two per SM at decode shapes). Where K's and V's tiles together are over 1024 wide
     (multi-head latent attention's 576-wide key, a 1024 tile, beside its 512-wide value), 32 x 16 tiles keep ``q`` and
-    two stages of K and V inside it (the sm_90 compile check).
+    two stages of K and V inside it (the sm_90 compile check). With ``value_in_key`` (``LaunchConfig.value_in_key``:
+    the V tile is the K tile's first part) over 512 wide in all, MLA's 512 + 64, the accumulator and the query's
+    first part fill the registers: 32 x 16 tiles on 8 warps compile without spilling (64 rows spill at 8 warps and
+    at 16), where the 1024-wide key of the other path spills at every shape.
     """
     block_dv = block_d(head_dim if head_dim_vo is None else head_dim_vo)
+    if value_in_key and block_dv + block_d(head_dim - head_dim_vo) > 512:
+        return Tiles(block_m=min(m, 32), block_n=16, num_warps=8, num_stages=2)
     if block_d(head_dim) + block_dv > 1024:
         return Tiles(block_m=min(m, 32), block_n=16, num_warps=4, num_stages=2)
     if max(block_d(head_dim), block_dv) > 128 or dtype == "float32":
@@ -309,12 +315,23 @@ class LaunchConfig:
     accumulator, the partial states and the merges are ``block_dv`` wide; ``q``, ``k`` and the scores ``block_d``."""
     block_dv: int | None = None
     """The tile of ``head_dim_vo`` (:func:`block_d`); None (``block_d``) is replaced by ``block_d``."""
+    value_in_key: bool = False
+    """Whether ``v`` is the first ``head_dim_vo`` columns of ``k`` (a view of them: multi-head latent attention's
+    value ``ckv`` in its key ``ckv ⊕ kpe``): the kernel then loads ``q`` and each K tile in two parts, those columns
+    (``block_d`` is their tile, as wide as ``block_dv``) and the rest (:attr:`block_dr`), and uses the first part
+    of the K tile as the V tile. The call decides it, as it passes ``v``."""
 
     def __post_init__(self):
         if self.head_dim_vo is None:
             object.__setattr__(self, "head_dim_vo", self.head_dim)
         if self.block_dv is None:
             object.__setattr__(self, "block_dv", self.block_d)
+
+    @property
+    def block_dr(self) -> int:
+        """With :attr:`value_in_key`, the tile of the key's columns past the value's (``head_dim - head_dim_vo``);
+        0 otherwise."""
+        return block_d(self.head_dim - self.head_dim_vo) if self.value_in_key else 0
 
     @property
     def deterministic(self) -> bool:

@@ -14,6 +14,9 @@ Must match :func:`bsrattn.reference.executor.execute`. The launch is a fixed lau
    RoPE the tile's queries are loaded in two halves (dims ``[0, D/2)`` and ``[D/2, D)``) and turned once per
    tile (:func:`~bsrattn.torch_cuda.microkernel.rope_turn`) at their positions in the plan's ``rope_q``
    section, and every K tile at its slots' positions plus the item's ``rope_offset`` (a Cascade's later levels).
+   Where ``v`` is the first ``HEAD_DIM_VO`` columns of ``k`` (``BLOCK_DR > 0``: multi-head latent attention's value
+   ``ckv`` in its key ``ckv ⊕ kpe``), ``q`` and each K tile are loaded in two parts, those columns and the rest,
+   and the first part of the K tile is the V tile: one load, and no tile padded past the key's width.
    In deterministic mode (``SPLIT_SIZE``) the range runs chunk by chunk of a canonical chunk grid, the chunks'
    states folded in KV order (:mod:`~bsrattn.torch_cuda.deterministic`).
 4. An unsplit item writes the output and LSE (with ``PRIOR``, an earlier Cascade level's state folded in first,
@@ -74,7 +77,8 @@ def persistent_attention(
         part_o_strides, part_lse_strides, window_left, num_kv_heads, merge_rows,
         HEAD_DIM: tl.constexpr, HEAD_DIM_VO: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        BLOCK_H: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+        BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr,
         STORE_LSE: tl.constexpr, AFFINE_ROWS: tl.constexpr, MERGES: tl.constexpr, PRECISION: tl.constexpr,
         DETERMINISTIC: tl.constexpr, SPLIT_SIZE: tl.constexpr, PRIOR: tl.constexpr, REDO: tl.constexpr):
@@ -83,7 +87,7 @@ def persistent_attention(
     # came out non-finite; then one row per item flags such items.
     HIDDEN_KEYS: tl.constexpr = CAUSAL or HAS_WINDOW or CUSTOM_MASK
     TILE: tl.constexpr = Tile(HEAD_DIM, HEAD_DIM_VO, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_H, BLOCK_SIZE,
-                              AFFINE_ROWS, PRECISION)
+                              AFFINE_ROWS, PRECISION, BLOCK_DR)
     VARIANT: tl.constexpr = Switches(CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, ROPE, CUSTOM_MASK)
     merge_flags = sync + 2 * merge_rows * num_kv_heads
     item_flags = sync + 3 * merge_rows * num_kv_heads
@@ -146,6 +150,12 @@ def persistent_attention(
                                               tl.load(q_half + HEAD_DIM // 2 * stride_qd, mask=in_half, other=0.0),
                                               tl.load(rope_q + qo_start + rel, mask=valid_m, other=0), rope_freq,
                                               q_ptr.dtype.element_ty)
+            elif BLOCK_DR > 0:  # the key's value columns, then the rest (Tile.block_dr)
+                rest = tl.arange(0, BLOCK_DR)
+                q = tl.load(q_row_ptr + d[None, :] * stride_qd, mask=valid_m[:, None] & (d[None, :] < HEAD_DIM_VO),
+                            other=0.0)
+                q2 = tl.load(q_row_ptr + (HEAD_DIM_VO + rest[None, :]) * stride_qd,
+                             mask=valid_m[:, None] & (rest[None, :] < HEAD_DIM - HEAD_DIM_VO), other=0.0)
             else:
                 q = tl.load(q_row_ptr + d[None, :] * stride_qd, mask=valid_m[:, None] & (d[None, :] < HEAD_DIM),
                             other=0.0)
@@ -208,7 +218,8 @@ def constexprs(config, q_dtype, redo: bool = False) -> dict:
     """The compile-time arguments of :func:`persistent_attention` for ``config`` and a ``q`` of ``q_dtype``."""
     return dict(HEAD_DIM=config.head_dim, HEAD_DIM_VO=config.head_dim_vo, GROUP_SIZE=config.group_size,
                 BLOCK_SIZE=block_size_constexpr(config.block_size), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                BLOCK_D=config.block_d, BLOCK_DV=config.block_dv, BLOCK_H=max(16, config.block_d // 2),
+                BLOCK_D=config.block_d, BLOCK_DV=config.block_dv, BLOCK_DR=config.block_dr,
+                BLOCK_H=max(16, config.block_d // 2),
                 CAUSAL=config.causal, HAS_WINDOW=config.window_left >= 0, SOFT_CAP=config.soft_cap, ALIBI=config.alibi,
                 SIGMOID=config.sigmoid, ROPE=config.rope, CUSTOM_MASK=config.custom_mask, STORE_LSE=config.store_lse,
                 AFFINE_ROWS=config.affine_rows, MERGES=config.merges,

@@ -72,16 +72,17 @@ def rope_turn(lo, hi, pos, freq, dtype: tl.constexpr):  # lo, hi [R, BLOCK_H]; p
 
 @triton.jit
 def scores(q, k, q2, k2, q_pos, k_pos, slopes, qk_scale, soft_cap,  # q [BLOCK_M, D]; k [BLOCK_N, D]; slopes [M]
-           SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
+           SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, TWO_PARTS: tl.constexpr, PRECISION: tl.constexpr,
            DETERMINISTIC: tl.constexpr = False):
     """``[BLOCK_M, BLOCK_N]`` transformed scores times ``log2(e)`` (reference ``scores``, base 2).
 
-    ``s = qk_scale * q.k``; soft cap ``cap * tanh(s / cap)``; ALiBi ``+ slope * (k_pos - q_pos)``. With ``ROPE``,
-    ``q``/``k`` are the turned first halves and ``q2``/``k2`` the second (:func:`rope_turn`), and ``q.k`` is the
-    sum of the two halves' products.
+    ``s = qk_scale * q.k``; soft cap ``cap * tanh(s / cap)``; ALiBi ``+ slope * (k_pos - q_pos)``. With
+    ``TWO_PARTS``, ``q``/``k`` hold the first columns and ``q2``/``k2`` the rest, and ``q.k`` is the sum of the two
+    parts' products: fused RoPE's turned halves (:func:`rope_turn`), or a key whose first columns are the value
+    (:attr:`Tile.block_dr`).
     """
     s = dot(q, tl.trans(k), PRECISION, DETERMINISTIC)
-    if ROPE:
+    if TWO_PARTS:
         s += dot(q2, tl.trans(k2), PRECISION, DETERMINISTIC)
     if SOFT_CAP or ALIBI:
         s = s * qk_scale
@@ -182,7 +183,7 @@ class QueryTile(NamedTuple):
     """A query tile as the KV loop reads it: rows are (query row, head of the GQA group) pairs."""
 
     q: object  # [BLOCK_M, BLOCK_D]; with fused RoPE the turned first halves [BLOCK_M, BLOCK_H] (rope_turn)
-    q2: object  # fused RoPE: the turned second halves; else q again, unused
+    q2: object  # fused RoPE: the turned second halves; a key in two parts (Tile.block_dr): the rest; else q, unused
     pos: object  # [BLOCK_M] positions, non-decreasing along the tile
     local: object  # [BLOCK_M] query rows within the block row (a custom mask's rows)
     valid: object  # [BLOCK_M] rows in range
@@ -221,6 +222,7 @@ class Tile(NamedTuple):
     block_size: int  # Bc when a power of two, else 0 (gather.block_size_constexpr)
     affine_rows: bool  # whether the affine load path is compiled in (gather.py)
     precision: str  # tl.dot's input precision
+    block_dr: int = 0  # > 0: v is k's first head_dim_vo columns (block_d their tile), read once; the rest this wide
 
 
 class Switches(NamedTuple):
@@ -264,19 +266,27 @@ def attend_tile(state, start, blocks, query, row, kv_end, scalars,  # state: (ac
             gather.load_tile(row.k_head + TILE.head_dim // 2 * stride_kd, k_off, valid_n, half, stride_kd,
                              TILE.head_dim // 2, TILE.block_h, q.dtype, MASKED),
             k_pos + row.rope_offset, row.rope_freq, q.dtype)
+    elif TILE.block_dr > 0:  # the key in two parts, the first of which is the value (query.q, query.q2 likewise)
+        k = gather.load_tile(row.k_head, k_off, valid_n, d, stride_kd, TILE.head_dim_vo, TILE.block_d, q.dtype,
+                             MASKED)
+        k2 = gather.load_tile(row.k_head + TILE.head_dim_vo * stride_kd, k_off, valid_n, tl.arange(0, TILE.block_dr),
+                              stride_kd, TILE.head_dim - TILE.head_dim_vo, TILE.block_dr, q.dtype, MASKED)
     else:
         k = gather.load_tile(row.k_head, k_off, valid_n, d, stride_kd, TILE.head_dim, TILE.block_d, q.dtype, MASKED)
         k2 = k
     s = scores(q, k, query.q2, k2, query.pos, k_pos, query.slopes, scalars.qk_scale, scalars.soft_cap,
-               VARIANT.soft_cap, VARIANT.alibi, VARIANT.rope, TILE.precision, DETERMINISTIC)
+               VARIANT.soft_cap, VARIANT.alibi, VARIANT.rope or TILE.block_dr > 0, TILE.precision, DETERMINISTIC)
     vis = valid_n[None, :]
     if MASKED:
         vis = visible(query.pos, k_pos, query.valid, valid_n, query.local, row.kv_len, row.window_left, row.mask_ptr,
                       row.mask_start, VARIANT.causal, VARIANT.has_window, VARIANT.custom_mask)
-    v_off = gather.slot_offsets(blocks, row.first_slot, k_pos, row.v_strides[0], row.v_strides[1], row.block_size,
-                                TILE.block_size, TILE.affine_rows)
-    v = gather.load_tile(row.v_head, v_off, valid_n, tl.arange(0, TILE.block_dv), row.v_strides[3], TILE.head_dim_vo,
-                         TILE.block_dv, q.dtype, MASKED)
+    if TILE.block_dr > 0:
+        v = k
+    else:
+        v_off = gather.slot_offsets(blocks, row.first_slot, k_pos, row.v_strides[0], row.v_strides[1],
+                                    row.block_size, TILE.block_size, TILE.affine_rows)
+        v = gather.load_tile(row.v_head, v_off, valid_n, tl.arange(0, TILE.block_dv), row.v_strides[3],
+                             TILE.head_dim_vo, TILE.block_dv, q.dtype, MASKED)
     if MASKED and DROP_HIDDEN:
         v, bad = drop_hidden(v, vis, bad)
     if VARIANT.sigmoid:

@@ -39,7 +39,8 @@ def attention_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   part_o: torch.Tensor, part_lse: torch.Tensor, sync: torch.Tensor, sections: list[int],
                   config: list[int], scalars: list[float]) -> None:
     """Run a plan's attention launches (``executor.passes``); ``out [nnz_qo, Hq, Dv]`` (``Dv``: ``v``'s head
-    dimension) and ``lse [nnz_qo, Hq]`` are written in place, ``(prior_o, prior_lse)`` folded into them first where the configuration's ``prior`` says so."""
+    dimension) and ``lse [nnz_qo, Hq]`` are written in place, ``(prior_o, prior_lse)`` folded into them first where
+    the configuration's ``prior`` says so."""
     buffers = _BufferView(plan, mask, part_o, part_lse, sync, sections)
     launch.launch(q, k, v, out, lse, prior_o, prior_lse, buffers, LaunchConfig.from_list(config), Scalars(*scalars))
 

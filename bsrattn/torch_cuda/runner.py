@@ -91,32 +91,36 @@ class Runner:
         self.work_plan = work_plan
         self.device = device
         self.buffers = buffers
-        self._configs = {}  # (q dtype, kv view, store lse) -> LaunchConfig
+        self._configs = {}  # launch_config's arguments -> LaunchConfig
         self._launches = {}  # the same keys -> launch.Launch
         self._unit_scales = Scalars(spec.sm_scale, 1.0, float(spec.variant.logits_soft_cap),
                                         float(spec.variant.sigmoid_bias or 0.0))
 
-    def launch_config(self, q_dtype: str, kv_view: str, store_lse: bool, prior: bool = False) -> LaunchConfig:
-        """The launch configuration for inputs of ``q_dtype`` stored as ``kv_view``, folding a prior state or not."""
-        key = (q_dtype, kv_view, store_lse, prior)
+    def launch_config(self, q_dtype: str, kv_view: str, store_lse: bool, prior: bool = False,
+                      value_in_key: bool = False) -> LaunchConfig:
+        """The launch configuration for inputs of ``q_dtype`` stored as ``kv_view``, folding a prior state or not,
+        with ``v`` the first columns of ``k`` or not (:attr:`LaunchConfig.value_in_key`)."""
+        key = (q_dtype, kv_view, store_lse, prior, value_in_key)
         if key not in self._configs:
             spec, variant = self.spec, self.spec.variant
             busy = int(np.count_nonzero(np.diff(self.work_plan.cta_indptr))) * spec.num_kv_heads  # programs with work
             # Through the module: benchmarks/tune.py sweeps its choices.
             t = config.tiles(block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype,
-                             few_items=busy < num_sms(self.device), head_dim_vo=spec.head_dim_vo)
+                             few_items=busy < num_sms(self.device), head_dim_vo=spec.head_dim_vo,
+                             value_in_key=value_in_key)
             self._configs[key] = LaunchConfig(
                 num_ctas=self.work_plan.num_ctas, num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
                 head_dim=spec.head_dim, head_dim_vo=spec.dim_vo, block_size=spec.layout.block_size,
-                block_m=t.block_m, block_n=t.block_n, block_d=block_d(spec.head_dim), block_dv=block_d(spec.dim_vo),
-                num_warps=t.num_warps, num_stages=t.num_stages,
+                block_m=t.block_m, block_n=t.block_n,
+                block_d=block_d(spec.dim_vo if value_in_key else spec.head_dim), block_dv=block_d(spec.dim_vo),
+                value_in_key=value_in_key, num_warps=t.num_warps, num_stages=t.num_stages,
                 kv_view=kv_view, causal=causal_hides_keys(spec), window_left=variant.window_left,
                 soft_cap=variant.logits_soft_cap > 0, alibi=variant.alibi_slopes is not None,
                 sigmoid=variant.use_sigmoid, rope=variant.use_rope, custom_mask=spec.layout.custom_mask is not None,
                 store_lse=store_lse, affine_rows=self.affine_rows,
                 merges=self.work_plan.num_merges > 0 or spec.split_size is not None or spec.cuda_graph,
-                item_kernel=0 if spec.cuda_graph else config.item_kernel_for(spec, self.work_plan, q_dtype,
-                                                                             self.affine_rows),
+                item_kernel=0 if spec.cuda_graph or value_in_key else config.item_kernel_for(
+                    spec, self.work_plan, q_dtype, self.affine_rows),
                 split_size=spec.split_size or 0, prior=prior)
         return self._configs[key]
 
@@ -202,7 +206,8 @@ class Runner:
 
     def _prepare(self, q_t, k_t, out, lse, return_lse, k_scale, v_scale, prior=False):
         """``(key, scalars, want_lse)`` of a call (folding a prior state or not): ``key`` its launch configuration's
-        (as :meth:`launch_config` takes it), ``scalars`` its :class:`~bsrattn.torch_cuda.config.Scalars`,
+        (as :meth:`launch_config` takes it, but for ``value_in_key``, which :meth:`_launch_on` adds from the tensors
+        of each call), ``scalars`` its :class:`~bsrattn.torch_cuda.config.Scalars`,
         ``want_lse`` whether it writes an LSE."""
         spec = self.spec
         q_dtype = dtype_name(q_t)
@@ -229,7 +234,7 @@ class Runner:
                                             b.part_lse, b.sync, b.sections, self.launch_config(*key).to_list(),
                                             list(scalars))
             return
-        launch = self._launch(key)
+        launch = self._launch((*key, _value_in_key(self.spec, k, v)))
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             b.captured = True  # a later re-plan checks it keeps what the graph recorded
             b.captured_without_merges |= not launch.config.merges
@@ -256,6 +261,15 @@ def make_runner(spec, work_plan, previous=None) -> Runner:
     previous = previous if isinstance(previous, Runner) else None
     device = default_device() if previous is None else previous.device
     return Runner(spec, work_plan, device, previous)
+
+
+def _value_in_key(spec, k, v) -> bool:
+    """Whether ``v`` is the first ``spec.dim_vo`` columns of ``k`` (:attr:`LaunchConfig.value_in_key`): a view of
+    ``k``'s memory from its first element with ``k``'s strides, narrower than ``k``, as multi-head latent attention
+    passes its value. Fused RoPE turns the key's halves, not its parts: it keeps ``v`` apart."""
+    return (spec.head_dim_vo is not None and spec.head_dim_vo < spec.head_dim and not spec.variant.use_rope
+            and v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]
+            and v.dtype == k.dtype and v.device == k.device)
 
 
 # ---- CUDA graphs: what a capture recorded, which a re-plan over its buffers must keep (Runner's warning) ----
