@@ -265,7 +265,7 @@ MUTANTS = (
     Mutant("a cuda_graph plan that splits nothing launched without merges", "bsrattn/torch_cuda/runner.py",
            "spec.split_size is not None or spec.cuda_graph,", "spec.split_size is not None,", CUDA_GRAPH),
     Mutant("a cuda_graph plan launched on the item kernel", "bsrattn/torch_cuda/runner.py",
-           "item_kernel=0 if spec.cuda_graph else", "item_kernel=0 if False else", CUDA_GRAPH),
+           "item_kernel=0 if spec.cuda_graph or value_in_key else", "item_kernel=0 if value_in_key else", CUDA_GRAPH),
     Mutant("a workspace as wide as k, not v (head_dim_vo): torch", "bsrattn/torch_cuda/runner.py",
            "buffers = PlanBuffers(capacity, *shape, head_dim_vo=spec.head_dim_vo)",
            "buffers = PlanBuffers(capacity, *shape)",
