@@ -16,8 +16,11 @@ bf16 GEMM rate; the larger is the bound.
 
 Implementations, each checked against the float64 reference, then timed in graph and eager mode:
 
-- ``bsrattn-torch``: ``ba.BatchMLAAttention(backend="torch")`` planned once, ``run`` timed;
-  ``bsrattn-torch-core``, the same call on the torch tier's core (``kernel="core"``), the first rung.
+- ``bsrattn-torch``: ``ba.BatchMLAAttention(backend="torch")`` planned once, ``run`` timed: the value is the
+  key's first 512 columns, which the kernel reads from the key's tile (``LaunchConfig.value_in_key``);
+  ``bsrattn-torch-value-apart``, the rung below it: ``ba.BatchAttention`` over the same cache as one KV head with
+  ``v`` a contiguous copy of ``ckv`` (made outside timing), read by its own strides beside a key tile padded to
+  1024; ``bsrattn-torch-core``, the same call on the torch tier's core (``kernel="core"``), the first rung.
 - ``flashinfer-mla-fa2``, ``flashinfer-mla-fa3``: ``BatchMLAPagedAttentionWrapper`` on its two sm_90 backends
   (``cutlass`` is Blackwell's), planned once with ``sm_scale = 1 / sqrt(576)`` (bsrattn's default), ``run``
   timed on the same views; the target (docs/benchmarks.md) compares with the better of the two.
@@ -163,6 +166,18 @@ def build_bsrattn(case, tier: str, kernel: str | None = None):
     return lambda: attn.run(*operands, out=case.out)
 
 
+def build_value_apart(case):
+    """``BatchAttention`` on the torch tier over the cache as one KV head, ``v`` a contiguous copy of ``ckv`` made
+    here (untimed): the general path for values narrower than keys, beside which ``bsrattn-torch`` is measured."""
+    s = case.shape
+    attn = ba.BatchAttention(backend="torch")
+    attn.plan(case.layout, s.num_heads, 1, s.width, head_dim_vo=s.head_dim_ckv, q_dtype=case.dtype,
+              kv_dtype=case.dtype)
+    k = case.cache.reshape(*case.cache.shape[:2], 1, s.width)  # [num_pages, page_size, 1, Dc + Dr]
+    v = k[..., :s.head_dim_ckv].contiguous()  # [num_pages, page_size, 1, Dc], memory of its own
+    return lambda: attn.run(case.q, k, v, out=case.out)
+
+
 def measure_bsrattn(suite, config, case, tier, name=None, kernel=None):
     """``bsrattn-<tier>`` (or ``name``) on ``case``: plan once, ``run`` timed; ``kernel="core"``: the tier's core."""
     suite.measure(config, name or f"bsrattn-{tier}", partial(build_bsrattn, case, tier, kernel),
@@ -215,6 +230,8 @@ def run(suite) -> None:
             measure_bsrattn(suite, config, case, "reference")
         else:
             measure_bsrattn(suite, config, case, "torch")
+            suite.measure(config, "bsrattn-torch-value-apart", partial(build_value_apart, case), out=case.out,
+                          **case.check_args())
             measure_bsrattn(suite, config, case, "torch", name="bsrattn-torch-core", kernel="core")
         for backend in FLASHINFER_BACKENDS:
             suite.measure(config, f"flashinfer-mla-{backend}", partial(build_flashinfer, case, backend),
