@@ -46,15 +46,13 @@ Examples
 
 from __future__ import annotations
 
-import math
-
 from bsrattn._types import Array, DType
 from bsrattn.api import BatchAttention, _levels, attention
 from bsrattn.backends import Backend
 from bsrattn.cascade import Cascade
-from bsrattn.coerce import as_int, as_real
+from bsrattn.coerce import as_int
 from bsrattn.layout import BSRLayout
-from bsrattn.validation import check_array, dtype_name, shape_of
+from bsrattn.validation import check_array, check_scale, dtype_name, shape_of
 from bsrattn.variant import Variant
 
 __all__ = ["mla_attention", "BatchMLAAttention"]
@@ -264,13 +262,7 @@ def _scales(q_pe, ckv_scale, kpe_scale) -> tuple:
     ``q_pe . (kpe * kpe_scale) = (q_pe * kpe_scale / ckv_scale) . kpe * ckv_scale``: a copy of ``q_pe``, rounded to
     its dtype, and never of the cache. Either scale None is 1; each must be a positive finite float.
     """
-    checked = []
-    for name, scale in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
-        value = 1.0 if scale is None else as_real(name, scale)
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
-        checked.append(value)
-    ckv_scale, kpe_scale = checked
+    ckv_scale, kpe_scale = check_scale("ckv_scale", ckv_scale), check_scale("kpe_scale", kpe_scale)
     if kpe_scale != ckv_scale:  # the product in float64, then rounded once to q_pe's dtype
         ratio = kpe_scale / ckv_scale
         if _kind(q_pe).__module__.startswith("numpy"):

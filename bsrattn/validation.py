@@ -204,11 +204,17 @@ def _check_dtypes(q, k, v, k_scale, v_scale):
     elif kd != qd:
         raise TypeError(f"q has dtype {qd} but k/v have {kd}; they must match (or k/v be fp8)")
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is None:
-            continue
-        value = as_real(name, scale)
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+        check_scale(name, scale)
+
+
+def check_scale(name: str, scale) -> float:
+    """A dequantisation scale ``name`` as a float: 1 for None, else a positive finite real, or an error naming it."""
+    if scale is None:
+        return 1.0
+    value = as_real(name, scale)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+    return value
 
 
 def _kv_view(k, kv_layout, block_size):
