@@ -265,24 +265,28 @@ def _scales(q_pe, ckv_scale, kpe_scale) -> tuple:
     ckv_scale, kpe_scale = check_scale("ckv_scale", ckv_scale), check_scale("kpe_scale", kpe_scale)
     if kpe_scale != ckv_scale:  # the product in float64, then rounded once to q_pe's dtype
         ratio = kpe_scale / ckv_scale
-        if _kind(q_pe).__module__.startswith("numpy"):
-            q_pe = (q_pe.astype("float64") * ratio).astype(q_pe.dtype)
-        else:
+        if _is_torch(q_pe):
             q_pe = (q_pe.double() * ratio).to(q_pe.dtype)
+        else:
+            q_pe = (q_pe.astype("float64") * ratio).astype(q_pe.dtype)
     return q_pe, None if ckv_scale == 1.0 else ckv_scale
+
+
+def _is_torch(x) -> bool:
+    """Whether ``x`` is a torch tensor (without importing torch)."""
+    return type(x).__module__.split(".")[0] == "torch"
 
 
 def _kind(x):
     """The concatenation of ``x``'s array kind: NumPy's or torch's (None for another kind)."""
-    module = type(x).__module__.split(".")[0]
-    if module == "numpy":
-        import numpy as np
-
-        return np.concatenate
-    if module == "torch":
+    if _is_torch(x):
         import torch
 
         return torch.cat
+    if type(x).__module__.split(".")[0] == "numpy":
+        import numpy as np
+
+        return np.concatenate
     return None
 
 
@@ -309,7 +313,7 @@ def _adjacent(a, b):
     """
     if shape_of(a)[:-1] != shape_of(b)[:-1] or 0 in shape_of(a) + shape_of(b):
         return None
-    if _kind(a).__module__.startswith("torch"):
+    if _is_torch(a):
         if (a.stride() != b.stride() or a.stride(-1) != 1 or a.device != b.device
                 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
                 or b.data_ptr() != a.data_ptr() + a.shape[-1] * a.element_size()):
