@@ -204,6 +204,13 @@ def test_numpy_dtypes_cross_bit_for_bit(dtype):
 
 # ---- configuration ------------------------------------------------------------------------------------
 
+def _pretend_sms(monkeypatch, sms: int):
+    """Plan as for a GPU of ``sms`` SMs: the interpreter's count, and the current device's where one runs."""
+    monkeypatch.setattr(tcfg, "INTERPRETER_SMS", sms)
+    if not tcfg.interpreting():
+        monkeypatch.setitem(tcfg._SMS, torch.cuda.current_device(), sms)
+
+
 def test_plan_options_pick_decode_and_prefill_tiles():
     from bsrattn.validation import make_spec
 
@@ -223,7 +230,7 @@ def test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm(monkeypatch):
     usual grid of two per SM, the rest left empty, and runs 8 warps; a larger batch uses every CTA, and so does
     a row whose tile is taller than ``DECODE_FEW_ROWS`` (a cascade's prefix level). All answer as the reference
     does. (16 pretend SMs: the interpreter's 4 leave no batch few enough.)"""
-    monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 16)
+    _pretend_sms(monkeypatch, 16)
     rng = np.random.default_rng(16)
     for qo_lens, kv_lens, few in (((1,), (300,), True), ((1, 1, 1), (300, 12, 70), False), ((12,), (300,), False)):
         problem = paged_problem(ba.Variant(), **scattered(rng, qo_lens, kv_lens))
@@ -452,7 +459,7 @@ def test_a_prefill_plan_that_splits_no_row_runs_the_kernel_without_merges(monkey
     the kernel (fewer live values: no spills on sm_90, test_torch_compile.py); the answer is the same as a split
     plan's through the full kernel. A graph captured on the merge-free kernel is warned about when a re-plan
     splits rows, and only then."""
-    monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 1)  # 2 CTAs a KV head
+    _pretend_sms(monkeypatch, 1)  # 2 CTAs a KV head
     rng = np.random.default_rng(15)
     causal = ba.Variant(causal=True)
     problem = paged_problem(causal, **scattered(rng, (70, 45, 50), (80, 45, 70)))
@@ -510,7 +517,7 @@ def test_prefill_plans_that_split_no_row_run_the_item_kernel(kind, variant, monk
     hidden keys runs the item kernel with its merges)."""
     from bsrattn.torch_cuda import executor, item_kernel, launch
 
-    monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 1)  # 2 CTAs a KV head
+    _pretend_sms(monkeypatch, 1)  # 2 CTAs a KV head
     problem = _item_kernel_problem(kind, variant, np.random.default_rng(16))
     q, k, v, view = call_inputs(problem.case, *raw_tensors(problem, "float16"))
     shipped = ba.BatchAttention(backend="torch")
@@ -550,7 +557,7 @@ def test_a_hidden_keys_nan_does_not_reach_the_item_kernels_rows(descriptors, mon
     q, k, v = raw_tensors(problem, "float16")
     v = v.copy()
     v[40] = np.nan  # row 0's key 40: hidden from its first 20 queries (positions 20..89 see keys up to their own)
-    monkeypatch.setattr(tcfg, "INTERPRETER_SMS", 1)
+    _pretend_sms(monkeypatch, 1)
     monkeypatch.setattr(tcfg, "ITEM_TMA_MIN_KV", 0 if descriptors else tcfg.ITEM_TMA_MIN_KV)
     run, attn = _batch(problem, torch.float16)
     out, _ = check_attention(run, problem, "float16", tensors=(q, k, v), name="NaN of a hidden key")
