@@ -765,6 +765,7 @@ def test_a_launch_over_buffers_of_another_item_capacity_keeps_its_own_kernels(mo
     monkeypatch.setattr(launch, "_KEEPS_KERNELS", True)
     monkeypatch.setattr(launch, "_COMPILED", {})
     monkeypatch.setattr(launch.KeptKernel, "of", staticmethod(do_nothing))
+    _pretend_sms(monkeypatch, tcfg.INTERPRETER_SMS)  # the chains of short items are the plan of a few CTAs
     rng = np.random.default_rng(5)
     capacities = []
     for batch in (8, 20):  # chains of short decode items (config.decode_on_items): 8 and then 20 items
@@ -793,6 +794,7 @@ def test_a_split_decode_runs_the_item_kernel_with_its_merges(shape, variant, sto
     through tensor descriptors where the plan asks (here for short rows too). The rows answer as the reference
     does, and the merge counters are back at zero after every call. A decode of a few items keeps the persistent
     kernel."""
+    _pretend_sms(monkeypatch, tcfg.INTERPRETER_SMS)  # the chains of short items are the plan of a few CTAs
     rng = np.random.default_rng(21)
     qo_lens, kv_lens = SPLIT_DECODES[shape]
     if storage == "paged":
