@@ -225,6 +225,28 @@ def test_plan_options_pick_decode_and_prefill_tiles():
     assert tcfg.LaunchConfig.from_list(config.to_list()) == config
 
 
+@pytest.mark.parametrize("heads, dims, qo_len, kv_len", [
+    ((128, 1), (576, 512), 1, 4096),  # MLA decode at DeepSeek-V3's widths: one tile of all 128 heads
+    ((32, 8), (128, 128), 32, 4096),  # a chunk of prefill over a long cache
+])
+def test_a_split_prefill_tile_reads_more_kv_than_its_partial_states(heads, dims, qo_len, kv_len, monkeypatch):
+    """Where a prefill-shaped tile's row is split over a GPU's CTAs, each item reads at least as many K and V bytes
+    as the float32 partial state it writes, which the one program that folds the row reads back: a finer cut
+    makes that fold the call's critical path (W11's MLA decode at batch 1: 512 states of 256 KiB)."""
+    from bsrattn.validation import make_spec
+
+    _pretend_sms(monkeypatch, 132)
+    (num_qo_heads, num_kv_heads), (head_dim, dim_vo) = heads, dims
+    spec = make_spec(ba.layouts.ragged([qo_len], [kv_len]), num_qo_heads, num_kv_heads, head_dim,
+                     q_dtype="float16", kv_dtype="float16", head_dim_vo=dim_vo)
+    opts = tcfg.plan_options(spec)
+    plan = ba.scheduler.plan(spec.layout.qo_lens, spec.layout.kv_lens, num_ctas=opts["num_ctas"],
+                             tile_q=opts["tile_q"], min_split_size=opts["min_split_size"], kv_align=opts["kv_align"])
+    keys = plan.item_kv_end - plan.item_kv_start
+    rows = opts["tile_q"] * spec.group_size
+    assert plan.num_merges and keys.size > 1, "the case must split its row"
+    assert keys[:-1].min() * (head_dim + dim_vo) * 2 >= rows * dim_vo * 4  # the last chunk takes the rest
+
 def test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm(monkeypatch):
     """A decode batch of few (row, KV head) pairs is balanced over one CTA per SM (``busy_ctas``) inside the
     usual grid of two per SM, the rest left empty, and runs 8 warps; a larger batch uses every CTA, and so does

@@ -24,9 +24,12 @@ math.
 Decode chunks are whole KV tiles (``kv_align = BLOCK_N``) of at least ``DECODE_MIN_SPLIT`` slots: with chunks of
 exactly ``L_kv`` the per-row ceilings leave a few more items than CTAs, so a second wave of a handful of items
 doubles the makespan; aligned chunks fit one wave, and the minimum stops a small budget from being cut into
-2-tile items whose prologue and merge dominate. Every choice here was measured (``benchmarks/tune.py``; the
-figures are in ``benchmarks/NOTES.md``, the torch tier's ladder). A caller who passes ``num_ctas`` to
-``BatchAttention.plan`` gets Algorithm 1 exactly at that count, without these two bounds.
+2-tile items whose prologue and merge dominate. A split prefill-shaped row's chunks are at least
+:func:`split_keys` long, the keys whose K and V outweigh the item's partial state: one program folds a row's
+states, and MLA's 128-head tile cut into 8-key chunks took 5 ms at batch 1 (W11). The other choices here
+were measured (``benchmarks/tune.py``; the figures are in ``benchmarks/NOTES.md``, the torch tier's ladder). A
+caller who passes ``num_ctas`` to ``BatchAttention.plan`` gets Algorithm 1 exactly at that count, without these
+bounds.
 """
 
 from __future__ import annotations
@@ -194,11 +197,23 @@ def plan_options(spec, device=None) -> dict:
     tile_q = max(1, m // spec.group_size)
     # As many query tiles as CTAs or more: every CTA has whole tiles to run, so no row is split (a chunk as long
     # as the longest row), and the kernel carries no merges (LaunchConfig.merges). Fewer tiles (a short prefill
-    # over a long cache): the rows are split so that every CTA streams.
+    # over a long cache, or MLA's decode, whose one latent head gives a tile of every query head): the rows are
+    # split so that every CTA streams, in chunks that outweigh their partial states (split_keys).
     query_tiles = int(np.sum(ceil_div(qo, tile_q)))
-    min_split = int(spec.layout.kv_lens.max(initial=1)) if query_tiles >= ctas else 1
+    min_split = int(spec.layout.kv_lens.max(initial=1)) if query_tiles >= ctas else split_keys(spec, tile_q)
     return dict(num_ctas=ctas, tile_q=tile_q, min_split_size=max(1, min_split), kv_align=1,
                 lead_items=spec.split_size is not None)
+
+
+def split_keys(spec, tile_q: int) -> int:
+    """The fewest keys in a split item of a prefill-shaped tile of ``tile_q`` query rows: as many as make the K and
+    V it reads at least its partial state (``tile_q x group_size x dim_vo`` float32), which the item writes and the
+    one program that folds its row's states reads back. With chunks any shorter the fold, which runs alone, reads
+    more than the items stream: a 128-head MLA decode row over 4096 keys cut for 528 CTAs into 8-key chunks is 512
+    states of 256 KiB folded by one program (``benchmarks/NOTES.md``, W11)."""
+    kv_bytes = 1 if spec.kv_is_fp8 else 4 if spec.kv_dtype == "float32" else 2
+    state = tile_q * spec.group_size * spec.dim_vo * 4
+    return ceil_div(state, (spec.head_dim + spec.dim_vo) * kv_bytes)
 
 
 ITEM_KERNEL, ITEM_KERNEL_TMA = 1, 2
