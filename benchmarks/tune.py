@@ -4,14 +4,17 @@ The tuning ladder of ``benchmarks/NOTES.md`` is measured with this script. Decod
 matters is how many bytes are in flight per SM (tile width x pipeline depth x CTAs per SM) and how finely
 the plan splits the KV (more items fill the GPU; each item costs a prologue and a merge). Prefill is
 FLOP-bound: what matters is the tile shape the tensor cores see and how evenly the causal work spreads over
-the SMs (more CTAs than SMs lets the hardware balance what the static plan cannot).
+the SMs (more CTAs than SMs lets the hardware balance what the static plan cannot). MLA decode (W11) is
+FLOP-bound with a 576-wide key and a 512-wide value: what matters is which tile of query heads x keys fits the
+registers, and whether the 64-row tiles that reach ``wgmma`` but spill beat the 32-row tile that does not.
 
 Each point is a :meth:`harness.Suite.measure` of ``bsrattn-torch`` (correctness against the float64 reference
 first, then eager and graph timing, L2 flushed before every sample) with the configuration's knobs set in
 :mod:`bsrattn.torch_cuda.config` for the duration of the plan and the run. Writes
 ``benchmarks/results/tune.json`` and prints the best point per case.
 
-Run on the GPU: ``python3 -m benchmarks.tune [--samples 50] [--impls ...]``; ``--cases w1,w3`` picks cases.
+Run on the GPU: ``python3 -m benchmarks.tune [--samples 50] [--impls ...]``; ``--cases w1,w3`` picks cases
+(``--cases w11`` the MLA sweep).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import itertools
 from dataclasses import replace
 
 import bsrattn as ba
-from benchmarks import harness, w1_quest_decode as w1, w2_paged_decode as w2, w3_prefill as w3
+from benchmarks import harness, w1_quest_decode as w1, w2_paged_decode as w2, w3_prefill as w3, w11_mla_decode as w11
 from bsrattn.torch_cuda import config as cfg, item_kernel
 
 WORKLOAD = "tune"
@@ -32,6 +35,10 @@ PREFILL = [dict(kernel=kernel, block_m=128, block_n=n, warps=8, stages=stages, c
                                      ("items", 64, 3), ("items", 128, 3))]
 """Prefill points: the persistent kernel, and the item kernel (``item_kernel.py``) reading affine rows with gathered
 loads or, as shipped, through tensor descriptors."""
+MLA = [dict(max_rows=rows, block_n=n, warps=8, stages=2, ctas_per_sm=4) for rows, n in ((32, 16), (32, 32), (64, 16),
+                                                                                      (64, 32))]
+"""MLA decode points (prefill-shaped: 128 heads in a tile): the shipped 32 x 16 tile, which compiles for sm_90
+without spilling, and the larger ones that spill (``benchmarks/NOTES.md``, MLA decode); 64 rows reach ``wgmma``."""
 CASES = {
     "w1": [("decode", f"W1 quest {n}/{b}", lambda s, n=n, b=b: w1.make_case(s, n, b, w1.GPU_SHAPE))
            for n, b in ((32768, 64), (32768, 512))],
@@ -46,20 +53,27 @@ CASES = {
     "w3-paged": [("prefill", f"W3 prefill 16 x 1024 paged {page}",
                   lambda s, page=page: w3.make_case(s, replace(w3.GPU_SHAPE, page_size=page), [1024] * 16, "paged"))
                  for page in (16, 1)],
+    "w11": [("mla", f"W11 MLA {b} x {n}, page 64",
+             lambda s, b=b, n=n: w11.make_case(s, w11.GPU_SHAPE, "bfloat16", 64, [n] * b))
+            for b, n in ((1, 4096), (32, 4096), (128, 4096))],
 }
 DRY_CASES = [("decode", "W1 dry", lambda s: w1.make_case(s, 256, 8, w1.DRY_SHAPE)),
              ("decode", "W2 dry", lambda s: w2.make_case(s, w2.DRY_SHAPE, "float16", [40, 9])),
-             ("prefill", "W3 dry", lambda s: w3.make_case(s, w3.DRY_SHAPE, [24, 7], "ragged"))]
+             ("prefill", "W3 dry", lambda s: w3.make_case(s, w3.DRY_SHAPE, [24, 7], "ragged")),
+             ("mla", "W11 dry", lambda s: w11.make_case(s, w11.DRY_SHAPE, "float16", 4, [30, 9]))]
 """A dry run (``--dry-run``, the CPU, tiny shapes) checks one point of each sweep on these: the plumbing only."""
 
 
 @contextlib.contextmanager
-def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=None, kernel=None):
-    """Set the tier's tile and schedule choices for ``kind`` ("decode" or "prefill"), restored on exit."""
+def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=None, kernel=None, max_rows=None):
+    """Set the tier's tile and schedule choices for ``kind`` ("decode", "prefill" or "mla", which plans as prefill),
+    restored on exit; ``max_rows`` caps the tile's rows below the plan's (an MLA tile of 128 heads runs as row
+    sub-tiles)."""
     saved = (cfg.tiles, dict(cfg.CTAS_PER_SM), cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M, cfg.item_kernel_for,
              item_kernel.tma_ready)
-    cfg.tiles = lambda m, head_dim, dtype, few_items=False: cfg.Tiles(m, block_n, warps, stages)
-    cfg.CTAS_PER_SM[kind] = ctas_per_sm
+    cfg.tiles = lambda m, head_dim, dtype, few_items=False, **widths: cfg.Tiles(min(m, max_rows or m), block_n, warps,
+                                                                                stages)
+    cfg.CTAS_PER_SM["decode" if kind == "decode" else "prefill"] = ctas_per_sm
     cfg.DECODE_MIN_SPLIT = min_split or cfg.DECODE_MIN_SPLIT
     cfg.PREFILL_BLOCK_M = block_m or cfg.PREFILL_BLOCK_M
     if kernel == "persistent":
@@ -75,7 +89,7 @@ def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=Non
 
 
 def measure(suite, config, case):
-    """One point of ``bsrattn-torch``: W1 runs on its per-head views, W2 and W3 on their layouts."""
+    """One point of ``bsrattn-torch``: W1 runs on its per-head views, W2, W3 and W11 on their layouts."""
     if isinstance(case, w1.Case):
         d = case.shape.head_dim
         harness.measure_bsrattn(suite, config, "bsrattn-torch", "torch", case.layout, *case.views,
@@ -85,6 +99,8 @@ def measure(suite, config, case):
                                 expected=case.expected, dtype="float16", bytes_needed=case.bytes_needed)
     elif isinstance(case, w2.Case):
         w2.measure_bsrattn(suite, config, case, "torch")
+    elif isinstance(case, w11.Case):
+        w11.measure_bsrattn(suite, config, case, "torch")
     else:
         s = case.shape
         harness.measure_bsrattn(suite, config, "bsrattn-torch", "torch", case.layout, case.q, case.k, case.v,
@@ -100,7 +116,7 @@ def run(suite, cases) -> None:
         if kind == "decode":
             points = [dict(zip(DECODE, values)) for values in itertools.product(*DECODE.values())]
         else:
-            points = PREFILL
+            points = MLA if kind == "mla" else PREFILL
         points = points[:1] if suite.dry_run else points
         for point, config in suite.configs(points, lambda p, name=name: {"case": name, **p}):
             with knobs(kind, **point):

@@ -266,6 +266,18 @@ def _check_w11(records):
             2 * (b * n * width + b * s.num_heads * (width + s.head_dim_ckv)) + 4 * (pages + 2 * b + 1)}
 
 
+def test_tune_dry_run_measures_a_point_of_every_sweep(tmp_path):
+    """The tile sweep's dry run: one point of each sweep (decode, prefill, MLA) runs the torch tier with the point's
+    tiles in place of the tier's own, and answers as the reference does."""
+    from benchmarks import tune
+
+    tune.main(["--dry-run", "--results", str(tmp_path)])
+    records = json.loads((tmp_path / "tune.json").read_text())["records"]
+    assert [r["config"]["case"] for r in records] == [name for _, name, _ in tune.DRY_CASES]
+    assert all(r["status"] == "ok" and r["check"]["ok"] for r in records), [r.get("reason") for r in records]
+    assert records[-1]["config"]["max_rows"] == tune.MLA[0]["max_rows"]
+
+
 def test_w10_alibi_slopes_are_the_geometric_ones():
     slopes = w10_variants.alibi_slopes(32)
     np.testing.assert_allclose(slopes, 2.0 ** (-0.25 * np.arange(1, 33)), rtol=1e-7)
