@@ -240,6 +240,47 @@ plt.show()
 # latent block feeds a matrix multiply $H$ rows tall.
 
 # %% [markdown]
+# ### What a GPU measured
+#
+# The intensity says where the floor is; a kernel still has to reach it. Benchmark W11 times MLA decode at
+# DeepSeek-V3's shapes on one GPU, bsrattn's torch tier beside FlashInfer's MLA kernels in the same process, each
+# checked against a float64 reference first; `benchmarks/NOTES.md` says where the time goes. The cell reads the
+# committed results, if there are any: the time of a call, the TFLOP/s it reaches, and the bound — the larger of
+# the cache's bytes over the measured copy rate and the FLOPs over the measured matrix-multiply rate.
+
+# %%
+import json
+from pathlib import Path
+
+W11 = next((p / "benchmarks" / "results" / "w11_mla_decode.json" for p in (Path.cwd(), *Path.cwd().parents)
+            if (p / "benchmarks" / "results").is_dir()), None)
+if W11 is None or not W11.is_file():
+    print("No W11 results are committed: `python3 -m benchmarks.w11_mla_decode` measures them on a GPU.")
+else:
+    payload = json.loads(W11.read_text())
+    print(f"measured on {payload['environment']['gpu']['name']}, {payload['environment']['time_utc'][:10]}")
+    shown = ("bsrattn-torch", "flashinfer-mla-fa3")
+    rows = {}
+    for rec in payload["records"]:
+        if rec["status"] == "ok" and rec["impl"] in shown:
+            c = rec["config"]
+            rows.setdefault((c["dtype"], c["page_size"], c["batch"], c["kv_len"]), {})[rec["impl"]] = rec
+    print(f"{'batch x kv, page':>18} {'bound us':>9}" + "".join(f"{name:>30}" for name in shown))
+    for (dtype, page, batch, kv), recs in sorted(rows.items(), key=lambda item: (item[0][1], item[0][2:])):
+        bound = next(iter(recs.values()))["bound_us"]
+        cells = "".join(f"{recs[name]['time_us']:>12.1f} us {recs[name]['tflop_per_s']:>6.0f} TFLOP/s"
+                        if name in recs else f"{'-':>30}" for name in shown)
+        print(f"{f'{batch} x {kv}, {page}':>18} {bound:>9.1f}{cells}")
+
+# %% [markdown]
+# From batch 32 up the work is past the ridge and the bound is the FLOPs: FlashInfer's kernel runs at several
+# hundred TFLOP/s, a large fraction of the matrix-multiply rate, while bsrattn's torch tier runs at a tenth of that.
+# Its tile is 32 heads x 16 keys, the largest that fits the registers beside a 512-wide float32 accumulator in
+# Triton's tile dialect, too few rows for Hopper's warpgroup matrix multiply, which FlashInfer's kernel uses on
+# 64-head tiles with the accumulator split between two warpgroups. The layout, the plan and the merge are the same
+# for both; what separates them is the microkernel, the one part of the design that is specific to the hardware.
+
+# %% [markdown]
 # ## One flag picks the tier
 #
 # `backend=` switches the tier with nothing else changed: the reference in NumPy, the numba tier (here in Numba's
