@@ -247,6 +247,7 @@ def test_a_split_prefill_tile_reads_more_kv_than_its_partial_states(heads, dims,
     assert plan.num_merges and keys.size > 1, "the case must split its row"
     assert keys[:-1].min() * (head_dim + dim_vo) * 2 >= rows * dim_vo * 4  # the last chunk takes the rest
 
+
 def test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm(monkeypatch):
     """A decode batch of few (row, KV head) pairs is balanced over one CTA per SM (``busy_ctas``) inside the
     usual grid of two per SM, the rest left empty, and runs 8 warps; a larger batch uses every CTA, and so does
