@@ -36,7 +36,7 @@ PREFILL = [dict(kernel=kernel, block_m=128, block_n=n, warps=8, stages=stages, c
 """Prefill points: the persistent kernel, and the item kernel (``item_kernel.py``) reading affine rows with gathered
 loads or, as shipped, through tensor descriptors."""
 MLA = [dict(max_rows=rows, block_n=n, warps=8, stages=2, ctas_per_sm=4) for rows, n in ((32, 16), (32, 32), (64, 16),
-                                                                                      (64, 32))]
+                                                                                      (64, 32), (64, 64))]
 """MLA decode points (prefill-shaped: 128 heads in a tile): the shipped 32 x 16 tile, which compiles for sm_90
 without spilling, and the larger ones that spill (``benchmarks/NOTES.md``, MLA decode); 64 rows reach ``wgmma``."""
 CASES = {
