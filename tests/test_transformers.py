@@ -303,6 +303,15 @@ def test_keys_past_the_last_visible_one_are_not_in_the_layout():
     assert layout.kv_lens.tolist() == [3, 6] and layout.custom_mask is None and variant.causal
 
 
+def test_a_mask_of_whole_key_prefixes_needs_no_custom_mask_without_causality():
+    """A bidirectional model's step whose queries each see their request's first keys: the layout's lengths say it
+    all, for any number of queries, and a request that sees no key has none."""
+    lengths = torch.tensor([3, 0, 9])
+    mask = (torch.arange(12)[None, :] < lengths[:, None])[:, None, None, :].expand(3, 1, 5, 12)
+    layout, variant = bsrattn_hf.step_layout(mask, 3, 5, 12, ba.Variant())
+    assert layout.kv_lens.tolist() == [3, 0, 9] and layout.custom_mask is None and not variant.causal
+
+
 def test_import_bsrattn_imports_neither_transformers_nor_torch():
     import subprocess
     import sys

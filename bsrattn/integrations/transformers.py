@@ -81,7 +81,7 @@ except ImportError as err:
     raise ImportError("bsrattn.integrations.transformers needs transformers (4.53 or newer) and torch: "
                       "pip install 'bsrattn[transformers]'") from err
 
-from bsrattn import layouts
+from bsrattn import indexing
 from bsrattn.api import BatchAttention
 from bsrattn.backends import get_backend
 from bsrattn.layout import BSRLayout
@@ -242,28 +242,34 @@ def step_layout(attention_mask, batch_size: int, qo_len: int, kv_len: int, varia
 
 
 def _layout_of(seen, qo_len, kv_len, variant):
-    """:func:`step_layout` of a mask read to the host: ``seen [batch, qo_len, kv_len]`` bools."""
-    batch_size = seen.shape[0]
+    """:func:`step_layout` of a mask read to the host: ``seen [batch, qo_len, kv_len]`` bools.
+
+    Every request at once (this runs before each step, on the host): a request's keys end after the last one
+    any of its queries sees, and its position masks over them are the variant's ``position_mask``."""
     keys_seen = seen.any(axis=1)  # [B, kv_len]
     kv_lens = np.where(keys_seen.any(axis=1), kv_len - np.argmax(keys_seen[:, ::-1], axis=1), 0)
-    rows = [seen[b, :, :n] for b, n in enumerate(kv_lens)]
-    positions = [variant.position_mask(qo_len, int(n)) for n in kv_lens]
-    base = _one_block_per_request(batch_size, qo_len, kv_lens, kv_len)
-    if all(np.array_equal(row, pos) for row, pos in zip(rows, positions)):
-        return base, variant
+    in_row = np.arange(kv_len) < kv_lens[:, None, None]  # [B, 1, kv_len]: a request's keys
+    q_pos = indexing.query_position(qo_len, kv_lens[:, None, None], np.arange(qo_len)[None, :, None])
+    positions = in_row & indexing.key_visible(q_pos, np.arange(kv_len), variant.causal, variant.window_left)
+    if np.array_equal(seen, positions):  # seen is False past a request's keys, as positions are
+        return _one_block_per_request(seen.shape[0], qo_len, kv_lens, kv_len), variant
     # Where the mask lies within the variant's position masks, keep them too: a kernel skips whole tiles of
     # keys they hide, which a custom mask alone would have it read.
-    within = all(not (row & ~pos).any() for row, pos in zip(rows, positions))
-    custom = np.concatenate([row.reshape(-1) for row in rows])
-    layout = BSRLayout(base.qo_indptr, base.kv_indptr, base.kv_indices, base.kv_last_len, base.block_size,
-                       base.num_blocks, custom)
+    within = not (seen & ~positions).any()
+    custom = seen[np.broadcast_to(in_row, seen.shape)]  # each request's [qo_len, kv_lens[b]] in turn
+    layout = _one_block_per_request(seen.shape[0], qo_len, kv_lens, kv_len, custom)
     return layout, variant if within else dataclasses.replace(variant, causal=False, window_left=-1)
 
 
-def _one_block_per_request(batch_size, qo_len, kv_lens, block_size) -> BSRLayout:
-    """Request ``b``: ``qo_len`` queries over the first ``kv_lens[b]`` slots of block ``b``."""
-    return layouts.paged(np.full(batch_size, qo_len), np.arange(batch_size)[:, None], kv_lens, page_size=block_size,
-                         num_pages=batch_size)
+def _one_block_per_request(batch_size, qo_len, kv_lens, block_size, custom_mask=None) -> BSRLayout:
+    """Request ``b``: ``qo_len`` queries over the first ``kv_lens[b] <= block_size`` slots of block ``b`` (a
+    request of no keys has no block), built from arrays rather than page tables: a step's host work."""
+    kv_lens = np.asarray(kv_lens)
+    has_keys = kv_lens > 0
+    kv_indptr = np.zeros(batch_size + 1, dtype=np.int64)
+    np.cumsum(has_keys, out=kv_indptr[1:])
+    return BSRLayout(np.arange(batch_size + 1) * qo_len, kv_indptr, np.flatnonzero(has_keys), kv_lens, block_size,
+                     batch_size, custom_mask)
 
 
 def _visible(attention_mask, batch_size, qo_len, kv_len) -> np.ndarray:
