@@ -32,12 +32,17 @@ __all__ = ["dense", "ragged", "paged", "block_sparse", "vector_sparse", "quest",
            "per_head_views"]
 
 
-def _rows(name, values, count, of):
-    """``values`` as a list of ``count`` rows (one per request), or an error naming ``name``."""
+def _check_rows(name, values, count, of):
+    """Refuse ``values`` unless it is a sequence of ``count`` rows (one per request), naming ``name``."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise TypeError(f"{name} must be a sequence with one entry per request, got {type(values).__name__}")
     if len(values) != count:
         raise ValueError(f"{name} has {len(values)} rows, {of} has {count}")
+
+
+def _rows(name, values, count, of):
+    """``values`` as a list of ``count`` rows (one per request), or an error naming ``name``."""
+    _check_rows(name, values, count, of)
     return list(values)
 
 
@@ -54,6 +59,20 @@ def _row(name, values):
     if arr is None or arr.dtype.kind not in "iu":
         arr = as_index_array(name, values)
     return arr.reshape(-1)
+
+
+def _short_table(tables_name, b, size, lens_name, kv_len, needed) -> str:
+    return f"{tables_name}[{b}] has {size} pages, {lens_name}[{b}]={kv_len} needs {needed}"
+
+
+def _leading_pages(tables, n_pages, kv_lens, tables_name, lens_name) -> np.ndarray:
+    """The first ``n_pages[b]`` entries of each row of a ``[B, max_pages]`` integer page table, rows in order: the
+    page table as engines keep it, read without a Python loop over the requests."""
+    short = n_pages > tables.shape[1]
+    if short.any():
+        b = int(np.argmax(short))
+        raise ValueError(_short_table(tables_name, b, tables.shape[1], lens_name, kv_lens[b], n_pages[b]))
+    return tables[np.arange(tables.shape[1]) < n_pages[:, None]]
 
 
 def _check_total(name, lengths):
@@ -174,19 +193,21 @@ def _paged(qo_lens, page_tables, kv_lens, page_size, num_pages, tables_name="pag
     """:func:`paged`, its errors naming the caller's arguments (:func:`shared_prefix` passes its own names)."""
     kv_lens = as_lengths(lens_name, kv_lens)
     qo_lens = as_lengths("qo_lens", qo_lens, kv_lens.size, lens_name)
-    page_tables = _rows(tables_name, page_tables, kv_lens.size, lens_name)
+    _check_rows(tables_name, page_tables, kv_lens.size, lens_name)
     page_size = as_int("page_size", page_size, minimum=1)
     num_pages = as_int("num_pages", num_pages, minimum=0)
     _check_total("qo_lens", qo_lens)
     n_pages = indexing.ceil_div(kv_lens, page_size)
-    tables = []
-    for b, table in enumerate(page_tables):
-        table = _row(f"{tables_name}[{b}]", table)
-        if table.size < n_pages[b]:
-            raise ValueError(f"{tables_name}[{b}] has {table.size} pages, {lens_name}[{b}]={kv_lens[b]} needs "
-                             f"{n_pages[b]}")
-        tables.append(table[:n_pages[b]])
-    indices = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+    if isinstance(page_tables, np.ndarray) and page_tables.ndim == 2 and page_tables.dtype.kind in "iu":
+        indices = _leading_pages(page_tables, n_pages, kv_lens, tables_name, lens_name)
+    else:
+        tables = []
+        for b, table in enumerate(page_tables):
+            table = _row(f"{tables_name}[{b}]", table)
+            if table.size < n_pages[b]:
+                raise ValueError(_short_table(tables_name, b, table.size, lens_name, kv_lens[b], n_pages[b]))
+            tables.append(table[:n_pages[b]])
+        indices = np.concatenate(tables) if tables else np.zeros(0, np.int64)
     return BSRLayout(indptr_of(qo_lens), indptr_of(n_pages), indices, _last_len(kv_lens, page_size), page_size,
                      num_pages)
 

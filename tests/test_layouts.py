@@ -113,3 +113,20 @@ def test_paged_page_table_is_the_indices_array():
                               num_pages=8)
     assert layout.kv_indices.tolist() == [0, 3, 5, 1, 2, 4, 6, 7]
     assert layout.kv_indptr.tolist() == [0, 3, 5, 8] and layout.kv_last_len.tolist() == [8, 4, 16]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16])
+def test_a_two_dimensional_page_table_gives_the_layout_of_its_rows(dtype):
+    """A ``[B, max_pages]`` integer array, as engines keep page tables, is read without a loop over its rows: the
+    same layout as its rows given one by one, and the same refusal of a row too short for its length."""
+    rng = np.random.default_rng(3)
+    kv_lens = np.array([40, 0, 17, 64, 1])
+    table = rng.permutation(40)[:20].reshape(5, 4).astype(dtype)
+    as_array = ba.layouts.paged([1, 1, 2, 1, 1], table, kv_lens, 16, 40)
+    as_rows = ba.layouts.paged([1, 1, 2, 1, 1], [list(row) for row in table], kv_lens, 16, 40)
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_len"):
+        np.testing.assert_array_equal(getattr(as_array, name), getattr(as_rows, name))
+    assert as_array.kv_indices.tolist() == [*table[0, :3], *table[2, :2], *table[3, :4], table[4, 0]]
+    for tables in (table[:, :3], [list(row) for row in table[:, :3]]):
+        with pytest.raises(ValueError, match=r"page_tables\[3\] has 3 pages, kv_lens\[3\]=64 needs 4"):
+            ba.layouts.paged([1] * 5, tables, kv_lens, 16, 40)
