@@ -275,7 +275,7 @@ else:
 # %% [markdown]
 # From batch 32 up the work is past the ridge and the bound is the FLOPs: FlashInfer's kernel runs at several
 # hundred TFLOP/s, a large fraction of the matrix-multiply rate, while bsrattn's torch tier runs at a tenth of that.
-# Its tile is 32 heads x 16 keys, the largest that fits the registers beside a 512-wide float32 accumulator in
+# Its tile is 32 heads x 16 keys, the largest that compiles without spilling beside a 512-wide float32 accumulator in
 # Triton's tile dialect, too few rows for Hopper's warpgroup matrix multiply, which FlashInfer's kernel uses on
 # 64-head tiles with the accumulator split between two warpgroups. The layout, the plan and the merge are the same
 # for both; what separates them is the microkernel, the one part of the design that is specific to the hardware.
