@@ -31,7 +31,10 @@ median of :data:`REPEATS` such pairs):
 - ``bsrattn-torch-graph``: the same with bsrattn, its plans hoisted before the compiled forward
   (``bsrattn.integrations.transformers.hoist_plans``);
 - ``bsrattn-paged-graph``: the project's paged serving loop (``examples/paged_generation.py``, page 16, the
-  prompts unpadded), each decode step one CUDA graph of the whole forward, planned outside it.
+  prompts unpadded), each decode step one CUDA graph of the whole forward, planned outside it, the host a step
+  ahead of the tokens;
+- ``bsrattn-paged-compiled``: the same loop with the forward its graphs record compiled first by
+  ``torch.compile`` (``generate(..., compile=True)``), as transformers' static cache compiles its own.
 
 Each such row records ``tokens_as_sdpa``: over the requests, the mean fraction of new tokens before the first
 that differs from ``sdpa-generate``'s (1.0: every token SDPA's), and the dynamic- and static-cache rows check
@@ -60,7 +63,7 @@ DRY_CONFIGS = [(1, 8), (2, 16)]
 IMPLEMENTATIONS = {"bsrattn-torch": "bsrattn", "sdpa": "sdpa", "eager": "eager"}
 GENERATE = {"sdpa-generate": "sdpa", "eager-generate": "eager", "bsrattn-torch-generate": "bsrattn"}
 GRAPHS = {"sdpa-graph": "sdpa", "bsrattn-torch-graph": "bsrattn"}
-PAGED = "bsrattn-paged-graph"
+PAGED = {"bsrattn-paged-graph": False, "bsrattn-paged-compiled": True}  # row -> compile
 NEW_TOKENS = (16, 48)
 DRY_NEW_TOKENS = (2, 4)
 REPEATS = 3
@@ -267,15 +270,16 @@ def build_generate(model, implementation, prompt, counts, tolerance, reference, 
     return timed
 
 
-def build_paged(model, prompt, counts, reference, sync):
-    """The paged loop with its decode steps as CUDA graphs, on the unpadded prompts."""
+def build_paged(model, prompt, counts, reference, sync, compile=False):
+    """The paged loop with its decode steps as CUDA graphs, compiled first with ``compile``, on the unpadded
+    prompts."""
     paged_generation = paged_loop()
     _, _, prompts = left_padded(prompt)
     pages = sum(-(-(len(p) + counts[1]) // 16) for p in prompts)
 
     def run(n):
         return paged_generation.generate(model, prompts, [n] * len(prompts), num_pages=pages, page_size=16,
-                                         backend="torch", graphs=True)
+                                         backend="torch", graphs=True, compile=compile)
 
     import torch
 
@@ -287,9 +291,9 @@ def build_paged(model, prompt, counts, reference, sync):
     return timed
 
 
-def build_throughput(model, implementation, batch, length, new_tokens, sync, hoist=None, paged=False):
+def build_throughput(model, implementation, batch, length, new_tokens, sync, hoist=None, paged=None):
     """Tokens per second of a whole greedy run (prefill included): ``generate`` with a static cache, compiled,
-    or the paged loop with decode graphs."""
+    or the paged loop with decode graphs (``paged``: whether they are compiled)."""
     import time
 
     import torch
@@ -297,13 +301,13 @@ def build_throughput(model, implementation, batch, length, new_tokens, sync, hoi
     gen = torch.Generator(device="cpu").manual_seed(7)
     prompt = torch.randint(3, model.config.vocab_size, (batch, length), generator=gen).to(model.device)
     mask = torch.ones_like(prompt)
-    if paged:
+    if paged is not None:
         paged_generation = paged_loop()
         pages = batch * -(-(length + new_tokens) // 16)
 
         def run():
             paged_generation.generate(model, list(prompt), [new_tokens] * batch, num_pages=pages, page_size=16,
-                                      backend="torch", graphs=True)
+                                      backend="torch", graphs=True, compile=paged)
     else:
         def run():
             generate_with(model, implementation, prompt, mask, new_tokens, new_tokens, True)
@@ -356,8 +360,9 @@ def run(suite) -> None:
             suite.measure_timed(config, name, partial(build_generate, model, implementation, prompt, counts,
                                                       tolerance, reference, sync, static=True, hoist=hoist),
                                 needs_cuda=True)
-        suite.measure_timed(config, PAGED, partial(build_paged, model, prompt, counts, reference, sync),
-                            needs_cuda=True)
+        for name, compile in PAGED.items():
+            suite.measure_timed(config, name, partial(build_paged, model, prompt, counts, reference, sync, compile),
+                                needs_cuda=True)
         suite.release(collect=True)
     throughput = lambda c: {"batch": c[0], "prompt": c[1], "new_tokens": c[2]}  # noqa: E731
     for (batch, length, new_tokens), config in suite.configs([THROUGHPUT], throughput):
@@ -365,8 +370,9 @@ def run(suite) -> None:
             hoist = bsrattn_hf.hoist_plans if implementation == "bsrattn" else None
             suite.measure_timed(config, name, partial(build_throughput, model, implementation, batch, length,
                                                       new_tokens, sync, hoist=hoist), needs_cuda=True)
-        suite.measure_timed(config, PAGED, partial(build_throughput, model, None, batch, length, new_tokens, sync,
-                                                   paged=True), needs_cuda=True)
+        for name, compile in PAGED.items():
+            suite.measure_timed(config, name, partial(build_throughput, model, None, batch, length, new_tokens,
+                                                      sync, paged=compile), needs_cuda=True)
 
 
 def main(argv=None):

@@ -22,7 +22,14 @@ stored HND and viewed per head; prefills attend in full. Exact when ``B`` covers
 token runs the whole forward, every layer's projections, cache writes and attention, as one replayed CUDA graph
 (:class:`DecodeGraphs`, one per batch size). The step's plan is made before the replay, outside the graph, into
 buffers sized once for the whole pool (``BatchAttention(cuda_graph=True)``), so a re-plan refills them and the
-graph replays it; the graph is captured again only when the plan's ``graph_key`` says it must.
+graph replays it; the graph is captured again only when the plan's ``graph_key`` says it must. With
+``compile=True`` the captured forward is first compiled by ``torch.compile``: the norms, rotary embedding, cache
+writes and MLP fused into fewer kernels, each layer's attention one op the compiler leaves whole.
+
+**The host runs a step ahead of its tokens.** A step's next tokens stay on the device, where the next step reads
+them, and reach the host while that step runs: the host books, plans and launches step ``t + 1`` while the GPU
+computes step ``t``, instead of waiting for step ``t``'s tokens first. What the host learns late is an
+end-of-sequence token: a request that produced one has already been given one more step, whose token is dropped.
 
 **Speculative tree decoding** (:func:`generate_speculative`): each running request's step is a draft tree
 (prompt lookup by default, :func:`propose`) under a tree mask (:func:`bsrattn.layouts.tree`; a joining
@@ -55,7 +62,7 @@ class PagedModel:
     """A Llama-family ``transformers`` causal LM run step by step over a paged KV cache."""
 
     def __init__(self, model, num_pages: int, page_size: int = 16, backend=None, kv_layout: str = "NHD",
-                 graphs: bool = False):
+                 graphs: bool = False, compile: bool = False):
         config = model.config
         self.model = model
         self.heads = config.num_attention_heads
@@ -67,7 +74,9 @@ class PagedModel:
         self.quest_attention = ba.BatchAttention(backend=backend)
         self.variant = ba.Variant(sm_scale=model.model.layers[0].self_attn.scaling, causal=True)
         self.dtype = str(model.dtype).removeprefix("torch.")
-        self.graphs = DecodeGraphs(self) if graphs else None
+        if compile and not graphs:
+            raise ValueError("compile=True compiles the decode steps' CUDA graphs: pass graphs=True too")
+        self.graphs = DecodeGraphs(self, compile) if graphs else None
 
     @torch.no_grad()
     def step(self, chunks, prefix=None, quest_budget=None) -> torch.Tensor:
@@ -175,14 +184,16 @@ class DecodeGraphs:
     buffers of its own :class:`~bsrattn.BatchAttention` (``cuda_graph=True``): each step copies its inputs in,
     plans outside the graph (the buffers are refilled in place) and replays. Before its first capture the plan is
     sized for a step over every page of the pool, so later steps fit; a graph is captured again only when the
-    plan's :attr:`~bsrattn.BatchAttention.graph_key` changes.
+    plan's :attr:`~bsrattn.BatchAttention.graph_key` changes. With ``compile``, the forward a graph records is
+    ``torch.compile``'s (each layer's attention the op :func:`attend`, which the compiler leaves whole).
     """
 
-    def __init__(self, engine: PagedModel):
+    def __init__(self, engine: PagedModel, compile: bool = False):
         self.engine = engine
         self.attention = ba.BatchAttention(backend=engine.attention.backend, cuda_graph=True)
         self.graphs: dict = {}  # batch size -> (graph, graph key, ids, positions, slots, logits, rows)
         self.captures = 0  # graphs captured so far
+        self.forward = torch.compile(self._forward, dynamic=False, fullgraph=True) if compile else self._forward
 
     def run(self, ids, positions, slots, layout) -> torch.Tensor:
         """The step's logits ``[batch, vocab]`` (the graph's output tensor, overwritten by the next replay)."""
@@ -198,7 +209,8 @@ class DecodeGraphs:
         if entry is None or entry[1] != self.attention.graph_key:
             entry = self.graphs[batch] = self._capture(ids, positions, slots)
         for static, given in zip(entry[2:5], (ids, positions, slots)):
-            static.copy_(given, non_blocking=True)
+            # From pinned host memory, a copy that does not wait for the GPU: the host stays a step ahead.
+            static.copy_(given.pin_memory() if given.device.type == "cpu" else given, non_blocking=True)
         entry[0].replay()
         return entry[5]
 
@@ -206,23 +218,42 @@ class DecodeGraphs:
         device = self.engine.model.device
         static = [x.to(device, copy=True) for x in (ids, positions, slots)]
         rows = torch.arange(ids.numel(), device=device)
-
-        def forward():
-            return self.engine._forward(*static, rows, self._attend)
-
-        side = torch.cuda.Stream()  # one eager run first (kernels compiled, workspaces made), as capture needs
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = forward()
+        global _recording
+        _recording = self  # whose plan the op ``attend`` runs (only here: a replay runs no Python)
+        try:
+            side = torch.cuda.Stream()  # one eager run first (kernels compiled, workspaces made), as capture needs
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.forward(*static, rows)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self.forward(*static, rows)
+        finally:
+            _recording = None
         self.captures += 1
         return graph, self.attention.graph_key, *static, logits, rows  # the graph reads every input it was given
 
+    def _forward(self, ids, positions, slots, rows):
+        return self.engine._forward(ids, positions, slots, rows, self._attend)
+
     def _attend(self, layer, q):
-        return self.attention.run(q, self.engine.cache.k[layer], self.engine.cache.v[layer])
+        return torch.ops.paged_generation.attend(q, self.engine.cache.k[layer], self.engine.cache.v[layer])
+
+
+_recording: DecodeGraphs | None = None  # the DecodeGraphs recording a graph
+
+
+@torch.library.custom_op("paged_generation::attend", mutates_args=())
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``q [n, Hq, D]`` over one layer's pool ``k``, ``v`` through the plan of the :class:`DecodeGraphs` recording
+    a graph: an op of its own, which ``torch.compile`` calls as it is instead of tracing bsrattn."""
+    return _recording.attention.run(q, k, v)
+
+
+@attend.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
 
 
 def select_pages(cache, layer, request, q, budget) -> list:
@@ -262,16 +293,38 @@ def _eos_tokens(model) -> set:
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
+class _NextTokens:
+    """A step's greedy tokens, one per request of ``requests``: on the device, where the next step reads them, and
+    on their way to the host, which reads them (:meth:`read`) once it has launched that next step."""
+
+    def __init__(self, requests, logits):
+        self.requests = requests
+        self.device = logits.argmax(-1)
+        self.host, self.ready = self.device, None
+        if self.device.is_cuda:
+            self.host = torch.empty(self.device.shape, dtype=self.device.dtype, pin_memory=True)
+            self.host.copy_(self.device, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def read(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 def generate(model, prompts, max_new_tokens, *, arrivals=None, system_prompt=None, quest_budget=None,
-             num_pages=64, page_size=16, backend=None, graphs=False) -> list:
+             num_pages=64, page_size=16, backend=None, graphs=False, compile=False) -> list:
     """Greedy continuous batching: request ``i`` joins at step ``arrivals[i]`` with ``prompts[i]`` (token ids),
     continuing ``system_prompt`` when given, and leaves once it has ``max_new_tokens[i]`` new tokens or has
     produced an end-of-sequence token (the model's ``generation_config``), as ``model.generate`` stops; returns
     each request's new tokens. With a ``quest_budget``, decode steps read only that many pages per KV head and
     layer (:func:`select_pages`), an approximation that is exact once the budget covers a request's pages. With
-    ``graphs`` (a CUDA device), steps of one new token per request replay a CUDA graph (:class:`DecodeGraphs`)."""
+    ``graphs`` (a CUDA device), steps of one new token per request replay a CUDA graph (:class:`DecodeGraphs`),
+    compiled first with ``compile``. Each step is launched before the last one's tokens are read (the module's
+    docstring): a request stopped by an end-of-sequence token has run one step more, its token dropped."""
     engine = PagedModel(model, num_pages, page_size, backend, kv_layout="NHD" if quest_budget is None else "HND",
-                        graphs=graphs)
+                        graphs=graphs, compile=compile)
     eos = _eos_tokens(model)
     arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
     prefix = None
@@ -279,21 +332,31 @@ def generate(model, prompts, max_new_tokens, *, arrivals=None, system_prompt=Non
         engine.step([(SYSTEM, torch.as_tensor(system_prompt))])  # stored once; its logits are not needed
         prefix = SYSTEM
     tokens = [[] for _ in prompts]
-    running, step = [], 0
-    while len(running) or any(not t and arrivals[i] >= step for i, t in enumerate(tokens)):
-        joining = [i for i in range(len(prompts)) if arrivals[i] == step]
-        chunks = [(i, torch.tensor(tokens[i][-1:])) for i in running]
-        for i in joining:
-            engine.cache.open(i, prefix)
-            chunks.append((i, torch.as_tensor(prompts[i])))
-        if chunks:
-            logits = engine.step(chunks, prefix, quest_budget)
-            for (i, _), token in zip(chunks, logits.argmax(-1).tolist()):  # one copy to the host a step
-                tokens[i].append(token)
-            running = [i for i, _ in chunks if len(tokens[i]) < max_new_tokens[i] and tokens[i][-1] not in eos]
-            for i, _ in chunks:
-                if i not in running:
-                    engine.cache.close(i)  # its pages go back to the pool for the requests still to come
+    ended = set()  # requests whose tokens reached an end-of-sequence token
+    running, step, last = [], 0, None  # last: the step before, its tokens not yet read
+    while running or last is not None or any(not t and arrivals[i] >= step for i, t in enumerate(tokens)):
+        # Every running request is in the last step; its token there, unread, counts against its budget.
+        at = {} if last is None else {r: j for j, r in enumerate(last.requests)}
+        done = {i for i in running if len(tokens[i]) + 1 >= max_new_tokens[i]}
+        for i in done:  # its pages go back to the pool; the GPU reuses them only after its last step
+            engine.cache.close(i)
+        chunks = [(i, last.device[at[i]:at[i] + 1]) for i in running if i not in done]
+        for i in range(len(prompts)):
+            if arrivals[i] == step:
+                engine.cache.open(i, prefix)
+                chunks.append((i, torch.as_tensor(prompts[i])))
+        launched = _NextTokens([i for i, _ in chunks], engine.step(chunks, prefix, quest_budget)) if chunks else None
+        if last is not None:
+            for i, token in zip(last.requests, last.read()):  # the host's one wait a step
+                if i not in ended:  # else a token past its end-of-sequence token, dropped
+                    tokens[i].append(token)
+                    if token in eos:
+                        ended.add(i)
+            for i in last.requests:
+                if i not in running:  # it ended a step before, and has run its one step more
+                    engine.cache.close(i)
+        running = [] if launched is None else [i for i in launched.requests if i not in ended]
+        last = launched
         step += 1
     return tokens
 

@@ -131,6 +131,54 @@ def test_continuous_batching_gives_generates_tokens(llama, backend):
     assert got == generate_each(llama, prompts, counts)
 
 
+def test_a_request_ending_at_its_end_of_sequence_token_drops_the_step_it_ran_past_it(llama, monkeypatch):
+    """The host reads a step's tokens after it has launched the next, so a request that produced its
+    end-of-sequence token has already been given one more step: that token is dropped, its pages go back once,
+    and the requests beside it go on with generate's tokens."""
+    prompts, counts = _prompts((5, 9, 3)), [9, 9, 9]
+    monkeypatch.setattr(llama.generation_config, "eos_token_id", None)
+    free = paged_generation.generate(llama, prompts, counts, arrivals=[0, 1, 1], num_pages=12, page_size=4,
+                                     backend="reference")
+    eos = free[0][3]
+    monkeypatch.setattr(llama.generation_config, "eos_token_id", eos)
+    closed = []
+    close = PagedKVCache.close
+    monkeypatch.setattr(PagedKVCache, "close", lambda self, request: closed.append(request) or close(self, request))
+    got = paged_generation.generate(llama, prompts, counts, arrivals=[0, 1, 1], num_pages=12, page_size=4,
+                                    backend="reference")
+    assert got[0] == free[0][:free[0].index(eos) + 1]
+    assert got == generate_each(llama, prompts, counts)
+    assert sorted(closed) == [0, 1, 2]
+
+
+def test_the_decode_graphs_forward_compiles_whole_with_the_attention_one_op(llama, monkeypatch):
+    """The GPU captures it in a CUDA graph; here ``torch.compile`` traces it (``fullgraph``: a break fails) with
+    the attention as the op ``attend``, and gives the eager forward's logits, for a second engine without
+    compiling again."""
+    from functools import partial
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="aot_eager"))
+    prompts, logits = _prompts((5, 9)), []
+    for _ in range(2):
+        engine = paged_generation.PagedModel(llama, num_pages=8, page_size=4, backend="reference")
+        engine.step(list(enumerate(prompts)))
+        graphs = paged_generation.DecodeGraphs(engine, compile=True)
+        positions = torch.tensor([engine.cache.length(i) for i in range(2)])
+        slots = torch.cat([engine.cache.extend(i, 1) for i in range(2)])
+        engine._plan(engine.cache.layout([0, 1], [1, 1]), graphs.attention)
+        monkeypatch.setattr(paged_generation, "_recording", graphs)
+        compiled_before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            logits.append(graphs.forward(torch.tensor([7, 9]), positions, slots, torch.arange(2)))
+        engine._plan(engine.cache.layout([0, 1], [1, 1]))
+        with torch.no_grad():
+            eager = engine._forward(torch.tensor([7, 9]), positions, slots, torch.arange(2), engine._attend)
+        torch.testing.assert_close(logits[-1], eager, rtol=0, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == compiled_before, "a second engine must reuse the compiled forward"
+
+
 def test_a_shared_system_prompt_gives_generates_tokens(llama):
     system = _prompts((21,), seed=2)[0]
     prompts, counts = _prompts((5, 9, 3)), [6, 4, 5]

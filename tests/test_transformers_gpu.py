@@ -156,7 +156,8 @@ def test_a_static_cache_generate_in_cuda_graphs_replays_its_plans_and_gives_gene
     assert graphs == 1, f"{graphs} graphs compiled: every decode step must replay the first"
 
 
-def test_the_paged_loop_with_decode_graphs_gives_generates_tokens(small_llama, monkeypatch):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager forward", "compiled forward"])
+def test_the_paged_loop_with_decode_graphs_gives_generates_tokens(small_llama, monkeypatch, compile):
     """Requests join and leave, so decode batches of several sizes each get a graph, replayed across re-plans."""
     captures = []
     capture = paged_generation.DecodeGraphs._capture
@@ -169,6 +170,6 @@ def test_the_paged_loop_with_decode_graphs_gives_generates_tokens(small_llama, m
     small_llama.set_attn_implementation("sdpa")
     prompts, counts = _prompts((50, 130, 9, 70)), [12, 9, 14, 6]
     got = paged_generation.generate(small_llama, prompts, counts, arrivals=[0, 1, 3, 8], num_pages=64,
-                                    page_size=16, backend="torch", graphs=True)
+                                    page_size=16, backend="torch", graphs=True, compile=compile)
     assert got == generate_each(small_llama, prompts, counts)
     assert captures and len(captures) == len(set(captures)), f"one capture per batch size: {captures}"
