@@ -1,12 +1,12 @@
 """Deliberate faults in the library, each of which some test must catch (STYLE.md item 10).
 
 Every entry of :data:`MUTANTS` is applied on its own to a fresh copy of the repository's ``bsrattn/`` and
-``tests/`` (with ``conftest.py`` and ``pyproject.toml``) in a temporary directory; the tests it names are run
-there with ``python -m pytest``, the copy first on the path (its ``pyproject.toml``'s pytest ``pythonpath``, and
-``PYTHONPATH`` for what its tests start) so that it, not the installed package, is what gets imported (checked
-once before any mutant runs). A mutant is *killed* when those tests fail; one
-that passes them *survives*, and a test suite that lets a fault survive guards nothing. The working tree is
-only read.
+``tests/`` (with ``examples/``, which tests import, ``conftest.py`` and ``pyproject.toml``) in a temporary
+directory; the tests it names are run there with ``python -m pytest``, the copy first on the path (its
+``pyproject.toml``'s pytest ``pythonpath``, and ``PYTHONPATH`` for what its tests start) so that it, not the
+installed package, is what gets imported (checked once before any mutant runs). A mutant is *killed* when
+those tests fail; one that passes them *survives*, and a test suite that lets a fault survive guards nothing.
+The working tree is only read.
 
 An entry is one line::
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("bsrattn", "tests", "conftest.py", "pyproject.toml")
+COPIED = ("bsrattn", "tests", "examples", "conftest.py", "pyproject.toml")
 TIMEOUT_S = 240  # per pytest run; a mutant that hangs its tests this long counts as caught
 
 
@@ -464,6 +464,9 @@ MUTANTS = (
     Mutant("a padded step's mask kept within causality it does not keep", "bsrattn/integrations/transformers.py",
            "within = not (seen & ~positions).any()", "within = True",
            ("tests/test_transformers.py::test_a_mask_past_the_position_masks_drops_them",)),
+    Mutant("a compiled cache write traced as a store into the pool", "bsrattn/integrations/paged.py",
+           "store = torch.ops.bsrattn.paged_kv_write if torch.compiler.is_compiling() else _store", "store = _store",
+           ("tests/test_paged_generation.py::test_written_keys_are_where_the_layout_reads_them",)),
     Mutant("kernel='core' with deterministic mode accepted", "bsrattn/api.py",
            "if split is not None and backend.kernel == \"core\":", "if False:",
            ("tests/test_cores.py::test_the_core_refuses_deterministic_mode_by_name",)),

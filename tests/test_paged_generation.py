@@ -53,16 +53,25 @@ def test_pages_are_handed_out_in_order_and_taken_back():
     assert lay.kv_lens.tolist() == [8] and lay.kv_indices.tolist() == [2, 0]
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
-def test_written_keys_are_where_the_layout_reads_them(kv_layout):
+def test_written_keys_are_where_the_layout_reads_them(kv_layout, compiled):
+    """Compiled, the write is the op ``bsrattn::paged_kv_write`` in place, not a store into the pool, which the
+    compiled code would make a copy of the whole pool at every call."""
     rng = np.random.default_rng(0)
     cache = PagedKVCache(num_layers=2, num_pages=6, page_size=4, num_kv_heads=2, head_dim=8, kv_layout=kv_layout)
+    traced = []
+    write = torch.compile(cache.write, fullgraph=True, backend=lambda gm, _: traced.append(gm) or gm.forward,
+                          dynamic=False) if compiled else cache.write
     keys = {}
     for request, n in (("x", 7), ("y", 3), ("x", 2)):
         slots = cache.extend(request, n)
         k = torch.as_tensor(rng.standard_normal((n, 2, 8)), dtype=torch.float32)
-        cache.write(1, slots, k, -k)
+        write(1, slots, k, -k)
         keys.setdefault(request, []).append(k)
+    if compiled:
+        calls = [str(node.target) for gm in traced for node in gm.graph.nodes if node.op == "call_function"]
+        assert calls.count("bsrattn.paged_kv_write") == 2 * len(traced) and "<built-in function setitem>" not in calls
     lay = cache.layout(["x", "y"], [1, 1])
     pool = (cache.k[1] if kv_layout == "NHD" else cache.k[1].transpose(1, 2)).reshape(-1, 2, 8)
     for row, request in enumerate(("x", "y")):

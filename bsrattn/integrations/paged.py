@@ -175,8 +175,11 @@ class PagedKVCache:
         k, v : torch.Tensor, ``[n, num_kv_heads, head_dim]``
             The tokens' keys and values.
         """
+        # Compiled, one op writing in place: a traced store is a functional update of the whole pool, copied.
+        store = torch.ops.bsrattn.paged_kv_write if torch.compiler.is_compiling() else _store
         for pool, x in ((self.k, k), (self.v, v)):
-            pool[(layer, *self._at(slots.to(pool.device)))] = x.to(pool.dtype)
+            at = slots.to(pool.device)
+            store(pool, layer, at // self.page_size, at % self.page_size, x.to(pool.dtype), self.kv_layout == "HND")
 
     def _at(self, slots: torch.Tensor) -> tuple:
         """The index of ``slots`` in a layer's pool: its ``[n, num_kv_heads, head_dim]`` elements."""
@@ -334,3 +337,23 @@ class PagedKVCache:
         return layouts.shared_prefix(qo_lens, self._pages[prefix], self._lengths[prefix],
                                      [self._pages[r] for r in requests], [self._lengths[r] for r in requests],
                                      self.page_size, self.num_pages)
+
+
+def _store(pool, layer, page, offset, x, hnd):
+    """``pool[layer]``'s slots ``(page, offset)`` set to ``x [n, num_kv_heads, head_dim]``."""
+    if hnd:
+        pool[layer, page, :, offset] = x
+    else:
+        pool[layer, page, offset] = x
+
+
+@torch.library.custom_op("bsrattn::paged_kv_write", mutates_args=("pool",))
+def _paged_kv_write(pool: torch.Tensor, layer: int, page: torch.Tensor, offset: torch.Tensor, x: torch.Tensor,
+                    hnd: bool) -> None:
+    """:meth:`PagedKVCache.write` of one pool as an op that ``torch.compile`` keeps whole and in place."""
+    _store(pool, layer, page, offset, x, hnd)
+
+
+@_paged_kv_write.register_fake
+def _(pool, layer, page, offset, x, hnd):
+    return None
