@@ -140,6 +140,7 @@ def _calls():
         ("quest fp16 decode, 32 heads (W1)", lambda: quest_decode(32, 1, np.float16)),
         ("MLA fp16, keys 24 values 16", lambda: mla(paged, 8, 16, 8, np.float16)),
         ("MLA bf16, DeepSeek 576/512, 16 heads", lambda: mla(paged, 16, 512, 64, ml_dtypes.bfloat16)),
+        ("MLA fp16, DeepSeek 576/512, 128 heads shared among blocks", lambda: mla(paged, 128, 512, 64, np.float16)),
         ("merge_state fp16", lambda: ba.merge_state(
             np.zeros((3, 8, d), np.float16), np.zeros((3, 8), np.float32), np.ones((3, 8, d), np.float16),
             np.zeros((3, 8), np.float32), backend="numba")),

@@ -94,6 +94,22 @@ def test_every_layout_kind_matches_the_formula(tier, name):
     assert_close(tier.numpy(lse), want_lse, "lse", "float32", name=f"{tier.name} {name} lse")
 
 
+def test_deepseeks_widths_at_64_heads_match_the_formula(tier):
+    """FlashInfer's grid runs 64 heads of DeepSeek's widths (Dc 512, Dr 64) over one latent head: on the numba
+    tier their queries alone overflow one block's shared memory, so the heads are shared among blocks."""
+    rng = np.random.default_rng(5)
+    layout = _paged(16, [1, 2], [9, 20], rng)
+    heads, dc, dr = 64, 512, 64
+    pool = (layout.num_blocks, layout.block_size)
+    values = [rng.standard_normal(s).astype(np.float16).astype(np.float64) for s in
+              ((layout.nnz_qo, heads, dc), (layout.nnz_qo, heads, dr), pool + (dc,), pool + (dr,))]
+    out, lse = ba.mla_attention(*(tier.array(x, "float16") for x in values), layout,
+                                variant=ba.Variant(causal=True), backend=tier.backend, return_lse=True)
+    want_o, want_lse = oracle(*values, layout, causal=True)
+    assert_close(tier.numpy(out), want_o, "attention", "float16", name=f"{tier.name} 64 heads out")
+    assert_close(tier.numpy(lse), want_lse, "lse", "float16", name=f"{tier.name} 64 heads lse")
+
+
 def test_split_rows_merge_and_a_plan_runs_again(tier):
     rng = np.random.default_rng(1)
     layout = _paged(16, [1, 2], [150, 90], rng)

@@ -129,6 +129,16 @@ def test_gqa_ratios_and_storage(hq, hkv, storage):
     _check(paged_problem(hq=hq, hkv=hkv, kv_pool=storage))
 
 
+def test_a_group_too_large_for_one_block_is_shared_among_blocks_of_its_kv_head():
+    """48 query heads of 256 per KV head overflow one block's shared memory: each KV head's heads are split
+    between blocks reading its tiles (ALiBi's per-head slopes check that each block writes its own heads)."""
+    hq, hkv, head_dim = 96, 2, 256
+    slopes = [2.0 ** -(1 + h % 8) for h in range(hq)]
+    variant = ba.Variant(causal=True, alibi_slopes=slopes)
+    assert config.choose_tiles(head_dim, hq // hkv, 4, 8, 4, item_rows=1)[2] > 1, "the group must be split"
+    _check(Problem(named_case("paged", PAGED, "NHD"), hq, hkv, head_dim, variant, seed=6))
+
+
 def test_three_d_kv_for_block_size_one():
     raw = dict(token_indices=[[3, 1, 4, 15, 9, 2, 6], [5, 3]], qo_lens=[2, 1], num_slots=16)
     flat = Problem(named_case("vector_sparse", raw, "flat"), 4, 2, D, ba.Variant(), seed=4)

@@ -65,7 +65,7 @@ class Config:
 
     head_dim: int                # of q and k: the width of q . k
     dim_vo: int                  # of v, the accumulator and out (head_dim but for head_dim_vo, as MLA's)
-    group_size: int              # query heads per KV head
+    group_size: int              # query heads a block holds per query row: the KV head's, or a share of them
     q_format: str           # also the output's
     kv_format: str
     compute_name: str       # "float32", or "float64" for float64 inputs
@@ -82,6 +82,7 @@ class Config:
     tile_kv: int
     tile_rows: int          # query rows per sub-tile
     min_blocks: int = 0     # launch bound: blocks per SM the compiler must fit (0: its choice)
+    head_groups: int = 1    # blocks sharing one KV head's query heads, group_size each (see choose_tiles)
 
     @property
     def hidden_keys(self) -> bool:
@@ -170,31 +171,34 @@ def query_tile_rows(group_size: int) -> int:
 
 
 def choose_tiles(head_dim, group_size, kv_itemsize, word_size, compute_size, item_rows, rope=False, dim_vo=None):
-    """``(tile_rows, tile_kv)``: :func:`query_tile_rows`, or fewer when no work item has more query rows
-    (decode: 1), and the largest power-of-two KV tile up to ``TILE_KV`` whose shared memory (K rows of
+    """``(tile_rows, tile_kv, head_groups)``: :func:`query_tile_rows`, or fewer when no work item has more query
+    rows (decode: 1); the largest power-of-two KV tile up to ``TILE_KV`` whose shared memory (K rows of
     ``head_dim``, V rows of ``dim_vo``, default ``head_dim``; with the turned K tile of fused RoPE when ``rope``)
-    fits ``SHARED_MEMORY_LIMIT``.
+    fits ``SHARED_MEMORY_LIMIT``; and the blocks a KV head's ``group_size`` query heads are shared among, 1 unless
+    their queries alone leave no room (MLA's 64 or 128 heads over one latent head of 576): then the fewest whose
+    equal shares of the heads fit.
 
     Examples
     --------
     >>> from bsrattn.numba_cuda import config
-    >>> rows, tile_kv = choose_tiles(128, 1, 2, 8, 4, item_rows=1)   # fp16 decode, head_dim 128
-    >>> rows, tile_kv == config.TILE_KV
-    (1, True)
+    >>> rows, tile_kv, groups = choose_tiles(128, 1, 2, 8, 4, item_rows=1)   # fp16 decode, head_dim 128
+    >>> rows, tile_kv == config.TILE_KV, groups
+    (1, True, 1)
+    >>> choose_tiles(576, 128, 2, 8, 4, item_rows=1, dim_vo=512)[2] > 1     # MLA decode, 128 heads
+    True
     """
     tile_rows = max(1, min(query_tile_rows(group_size), item_rows))
     dim_vo = head_dim if dim_vo is None else dim_vo
-    tile_kv = TILE_KV
-    while shared_bytes(head_dim, group_size, tile_rows, tile_kv, head_dim * kv_itemsize, word_size,
-                       compute_size, rope, dim_vo * kv_itemsize) > SHARED_MEMORY_LIMIT:
-        if tile_kv == 1:
-            widths = f"head_dim={head_dim}" + (f", head_dim_vo={dim_vo}," if dim_vo != head_dim else "")
-            raise ValueError(f"{widths} with {group_size} query heads per KV head does not fit the numba "
-                             f"tier's {SHARED_MEMORY_LIMIT} bytes of shared memory per block")
-        tile_kv //= 2
-    return tile_rows, tile_kv
-
-
+    for head_groups in (g for g in range(1, group_size + 1) if group_size % g == 0):
+        tile_kv = TILE_KV
+        while tile_kv >= 1:
+            if shared_bytes(head_dim, group_size // head_groups, tile_rows, tile_kv, head_dim * kv_itemsize,
+                            word_size, compute_size, rope, dim_vo * kv_itemsize) <= SHARED_MEMORY_LIMIT:
+                return tile_rows, tile_kv, head_groups
+            tile_kv //= 2
+    widths = f"head_dim={head_dim}" + (f", head_dim_vo={dim_vo}," if dim_vo != head_dim else "")
+    raise ValueError(f"{widths} does not fit the numba tier's {SHARED_MEMORY_LIMIT} bytes of shared memory per "
+                     f"block, even one query head at a time")
 
 
 def plan_options(spec) -> dict:

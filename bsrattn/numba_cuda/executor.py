@@ -7,7 +7,9 @@ deterministic mode (:mod:`.runner`: items of one chunk of the grid, a KV tile th
 
 Matches :func:`bsrattn.reference.executor.execute`, CTA for CTA. The grid is fixed by the plan, not by the
 batch: ``(work_plan.num_ctas, num_kv_heads)`` blocks. Block ``(c, h)`` walks CTA ``c``'s items
-``cta_indptr[c]:cta_indptr[c+1]`` in order, for KV head ``h`` and its ``G`` query heads. For each item, and
+``cta_indptr[c]:cta_indptr[c+1]`` in order, for KV head ``h`` and its ``G`` query heads (where their queries
+alone would overflow shared memory, as MLA's 128 heads over one 576-wide latent head do, each KV head's heads
+are shared among ``cfg.head_groups`` blocks, which read the same tiles). For each item, and
 each sub-tile of its query rows, it loops over the item's KV range one ``tile_kv`` tile at a time::
 
     load_rows      next tile's K and V rows -> registers (in flight from here)   gather.py
@@ -62,7 +64,7 @@ def persistent_kernel(cfg: Config):
     resolve_rows, load_rows, store_rows = make_gather(cfg)
     load_queries, turn_keys, scores, probabilities, accumulate, flag_rows, finish = make_microkernel(cfg)
     compute, word, element = cfg.compute, cfg.word, cfg.element
-    head_dim, group_size, tile_kv = cfg.head_dim, cfg.group_size, cfg.tile_kv
+    head_dim, group_size, tile_kv, head_groups = cfg.head_dim, cfg.group_size, cfg.tile_kv, cfg.head_groups
     tile_rows, max_nq = cfg.tile_rows, cfg.max_nq
     row_stride, v_row_stride, acc_per_thread = cfg.row_stride, cfg.v_row_stride, cfg.acc_per_thread
     words_per_thread, v_words_per_thread = cfg.words_per_thread, cfg.v_words_per_thread
@@ -73,7 +75,8 @@ def persistent_kernel(cfg: Config):
     def persistent(q, k_words, v_words, out, lse, part_o, part_lse, cta_indptr, items, kv_indices, mask,
                    block_size, num_kv_heads, score_scale, v_scale, window_left, cap, alibi_slopes, rope_freq, rope_q,
                    sigmoid_bias):
-        """One block per (CTA, KV head), walking the CTA's work items.
+        """One block per (CTA, head group), walking the CTA's work items: head group ``y`` is query heads
+        ``y * G .. y * G + G - 1`` (``G``: ``cfg.group_size``) of KV head ``y // cfg.head_groups``.
 
         q [nnz_qo, Hq, D]; k_words [rows, row_words], v_words [rows, v_row_words] (storage rows, see
         gather.rows_view; v's are Dv = cfg.dim_vo wide); out [nnz_qo, Hq, Dv]; lse [nnz_qo, Hq]; part_o [P, Hq, Dv];
@@ -82,7 +85,8 @@ def persistent_kernel(cfg: Config):
         alibi_slopes [Hq]; rope_freq [D/2] and rope_q [nnz_qo] (fused RoPE: the frequencies, each query row's
         position; an item's keys sit at its row's rope_offset plus their slot).
         """
-        cta, kv_head, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        cta, head_group, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        kv_head = head_group // head_groups  # the KV head whose tiles the block reads
         # Shared memory, one allocation per purpose (the simulator pays for each allocation site).
         q_tile = cuda.shared.array((max_nq, head_dim), compute)
         k_tile = cuda.shared.array((tile_kv, row_stride), word)        # the gathered K rows
@@ -108,7 +112,7 @@ def persistent_kernel(cfg: Config):
             rope_offset = items[w, ROPE_OFFSET]
             for q_row0 in range(item_q0, item_q1, tile_rows):
                 nq = min(tile_rows, item_q1 - q_row0) * group_size
-                load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head, rope_freq, rope_q)
+                load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, head_group, rope_freq, rope_q)
                 resolve_rows(t, kv_rows_s, kv_indices, block_start, first_slot, block_size, num_kv_heads,
                              kv_head, kv_start, kv_end)
                 cuda.syncthreads()
@@ -125,7 +129,7 @@ def persistent_kernel(cfg: Config):
                         turn_keys(t, k_turned, k_el, kv0, kv_end, rope_offset, rope_freq)
                         cuda.syncthreads()
                     scores(t, s_tile, seen, q_tile, k_el, k_turned, nq, kv0, kv_end, q_row0, row_q_start, qo_len,
-                           kv_len, kv_head, score_scale, window_left, cap, alibi_slopes, mask_start, mask)
+                           kv_len, head_group, score_scale, window_left, cap, alibi_slopes, mask_start, mask)
                     cuda.syncthreads()
                     probabilities(t, s_tile, p_tile, m_run, m_next, alpha, nq, sigmoid_bias)
                     cuda.syncthreads()
@@ -137,8 +141,8 @@ def persistent_kernel(cfg: Config):
                     cuda.syncthreads()
                 flag_rows(t, acc, bad, nq)
                 cuda.syncthreads()
-                finish(t, acc, m_run, l_run, bad, nq, q_row0, kv_head, v_scale, out, lse, item_q0, part_o, part_lse,
-                       part_row0)
+                finish(t, acc, m_run, l_run, bad, nq, q_row0, head_group, v_scale, out, lse, item_q0, part_o,
+                       part_lse, part_row0)
                 cuda.syncthreads()
 
     return launch.kernel(persistent, cfg.num_threads, cfg.min_blocks)

@@ -12,9 +12,9 @@ a running state and corrects it as larger scores appear::
     acc   = alpha * acc + sum_j p_j v_j        rescaled accumulator
     (end) o = acc / l,  lse = m + log(l)
 
-A block holds ``nq`` queries at a time: ``tile_rows`` query rows times the ``G`` query heads of its KV head
-(query ``i`` is row ``i // G``, head ``kv_head * G + i % G``), so GQA's heads share every K/V tile the block
-loads. Work is spread over threads by flat index: (query, key) pairs for scores and probabilities,
+A block holds ``nq`` queries at a time: ``tile_rows`` query rows times the ``G`` query heads of its head group,
+its KV head's heads or an equal share of them (query ``i`` is row ``i // G``, head ``head_group * G + i % G``),
+so GQA's heads share every K/V tile the block loads. Work is spread over threads by flat index: (query, key) pairs for scores and probabilities,
 (query, d) pairs for the accumulator (``d`` over V's width, ``dim_vo``: narrower than ``head_dim``, the width of
 ``q . k``, for MLA), one thread per query for the running sum. Arithmetic is float32
 (float64 for float64 inputs); fp16/bf16/fp8 elements are decoded as they are read.
@@ -55,13 +55,13 @@ def make_microkernel(cfg):
     neg_inf, zero, one, nan = compute(-math.inf), compute(0.0), compute(1.0), compute(math.nan)
 
     @device
-    def load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, kv_head, rope_freq, rope_q):
+    def load_queries(t, q_tile, m_run, l_run, bad, acc, q, q_row0, nq, head_group, rope_freq, rope_q):
         """``q_tile [max_nq, D]`` (shared) <- the block's queries, decoded (with fused RoPE, turned at their
         positions ``rope_q``: one thread per dimension pair); reset the running state."""
         if rope:
             for e in range(t, nq * half, threads):
                 i, d = e // half, e % half
-                row, head = q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i)
+                row, head = q_row0 + tile_query(i, group_size), tile_head(head_group, group_size, i)
                 angle = compute(rope_q[row]) * compute(rope_freq[d])
                 lo, hi = decode_q(q[row, head, d]), decode_q(q[row, head, d + half])
                 q_tile[i, d] = lo * math.cos(angle) - hi * math.sin(angle)
@@ -69,7 +69,7 @@ def make_microkernel(cfg):
         else:
             for e in range(t, nq * head_dim, threads):
                 i, d = e // head_dim, e % head_dim
-                q_tile[i, d] = decode_q(q[q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i), d])
+                q_tile[i, d] = decode_q(q[q_row0 + tile_query(i, group_size), tile_head(head_group, group_size, i), d])
         for i in range(t, nq, threads):
             m_run[i] = neg_inf
             l_run[i] = zero
@@ -94,7 +94,7 @@ def make_microkernel(cfg):
 
     @device
     def scores(t, s_tile, seen, q_tile, k_el, k_turned, nq, kv0, kv_end, q_row0, row_q_start, qo_len, kv_len,
-               kv_head, score_scale, window_left, cap, alibi_slopes, mask_start, mask):
+               head_group, score_scale, window_left, cap, alibi_slopes, mask_start, mask):
         """``s_tile [max_nq, tile_kv]`` (shared) <- transformed scores, ``-inf`` where masked.
 
         ``k_el [tile_kv, >= D]`` is the gathered K tile (``k_turned [tile_kv, D]`` the same turned, read instead
@@ -125,7 +125,7 @@ def make_microkernel(cfg):
                 if soft_cap:
                     s = cap * math.tanh(s / cap)
                 if alibi:
-                    s += compute(alibi_slopes[tile_head(kv_head, group_size, i)]) * compute(k_pos - q_pos)
+                    s += compute(alibi_slopes[tile_head(head_group, group_size, i)]) * compute(k_pos - q_pos)
             s_tile[i, j] = s
             if hidden_keys:
                 seen[i, j] = 1 if visible else 0
@@ -197,7 +197,7 @@ def make_microkernel(cfg):
                 bad[i] = one
 
     @device
-    def finish(t, acc, m_run, l_run, bad, nq, q_row0, kv_head, v_scale, out, lse, item_q0, part_o, part_lse,
+    def finish(t, acc, m_run, l_run, bad, nq, q_row0, head_group, v_scale, out, lse, item_q0, part_o, part_lse,
                part_row0):
         """Write the state: ``o = acc / l``, ``lse = m + log l`` (0 and -inf for a query that saw no key).
 
@@ -217,7 +217,7 @@ def make_microkernel(cfg):
                     o = zero
                 else:
                     o = nan if bad[i] != zero else acc[n] / l_run[i] * v_scale
-                row, head = q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i)
+                row, head = q_row0 + tile_query(i, group_size), tile_head(head_group, group_size, i)
                 if part_row0 < 0:
                     out[row, head, d] = encode_out(o)
                 else:
@@ -225,7 +225,7 @@ def make_microkernel(cfg):
         if not sigmoid:
             for i in range(t, nq, threads):
                 s = m_run[i] + math.log(l_run[i]) if l_run[i] != zero else neg_inf
-                row, head = q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i)
+                row, head = q_row0 + tile_query(i, group_size), tile_head(head_group, group_size, i)
                 if part_row0 < 0:
                     lse[row, head] = s
                 else:

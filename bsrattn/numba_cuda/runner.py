@@ -122,10 +122,12 @@ class Runner:
     def config(self, q_format, kv_format, kv_view, word_size) -> Config:
         spec, variant = self.spec, self.spec.variant
         compute_name = compute_format(q_format, kv_format)
-        tile_rows, tile_kv = choose_tiles(spec.head_dim, spec.group_size, numpy_dtype(kv_format).itemsize,
-                                          word_size, np.dtype(compute_name).itemsize, self.item_rows,
-                                          variant.use_rope, spec.dim_vo)
-        return Config(head_dim=spec.head_dim, dim_vo=spec.dim_vo, group_size=spec.group_size, q_format=q_format,
+        tile_rows, tile_kv, head_groups = choose_tiles(spec.head_dim, spec.group_size,
+                                                       numpy_dtype(kv_format).itemsize, word_size,
+                                                       np.dtype(compute_name).itemsize, self.item_rows,
+                                                       variant.use_rope, spec.dim_vo)
+        return Config(head_dim=spec.head_dim, dim_vo=spec.dim_vo, group_size=spec.group_size // head_groups,
+                      head_groups=head_groups, q_format=q_format,
                       kv_format=kv_format, compute_name=compute_name, kv_hnd=kv_view == "HND", causal=variant.causal,
                       window=variant.window_left >= 0, soft_cap=variant.logits_soft_cap > 0,
                       alibi=variant.alibi_slopes is not None,
@@ -184,7 +186,8 @@ class Runner:
             lse_dev = self.scratch_lse(cfg.compute_name)
         persistent, merge = self._launches
         if work_plan.num_items:
-            persistent(persistent_kernel(cfg), (work_plan.num_ctas, spec.num_kv_heads), cfg.num_threads,
+            persistent(persistent_kernel(cfg), (work_plan.num_ctas, spec.num_kv_heads * cfg.head_groups),
+                       cfg.num_threads,
                 q_dev, k_words, v_words, out_dev, lse_dev, part_o, part_lse, *self._plan_args,
                 spec.layout.block_size, spec.num_kv_heads, compute(spec.sm_scale * (k_scale or 1.0)),
                 compute(v_scale or 1.0), variant.window_left, compute(variant.logits_soft_cap or 1.0), self._alibi,
