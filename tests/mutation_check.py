@@ -322,8 +322,9 @@ MUTANTS = (
            "return x.reshape(x.shape[0] // num_kv_heads, num_kv_heads, x.shape[1], x.shape[2]).swapaxes(0, 1)"
            ".reshape(num_kv_heads, x.shape[0] // num_kv_heads * x.shape[1], x.shape[2])", REFERENCE),
     Mutant("GQA head mapping h % num_kv_heads: numba queries", "bsrattn/numba_cuda/microkernel.py",
-           "q[q_row0 + tile_query(i, group_size), tile_head(kv_head, group_size, i), d]",
-           "q[q_row0 + tile_query(i, group_size), kv_head + i % group_size * (q.shape[1] // group_size), d]", NUMBA),
+           "q[q_row0 + tile_query(i, group_size), tile_head(head_group, group_size, i), d]",
+           "q[q_row0 + tile_query(i, group_size), head_group + i % group_size * (q.shape[1] // group_size), d]",
+           NUMBA),
     Mutant("GQA head mapping h % num_kv_heads: torch kernel", "bsrattn/torch_cuda/executor.py",
            "head = tile_head(kv_head, GROUP_SIZE, m)\n            q_local",
            "head = kv_head + m % GROUP_SIZE * num_kv_heads\n            q_local", TORCH),
