@@ -248,6 +248,9 @@ _recording: DecodeGraphs | None = None  # the DecodeGraphs recording a graph
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``q [n, Hq, D]`` over one layer's pool ``k``, ``v`` through the plan of the :class:`DecodeGraphs` recording
     a graph: an op of its own, which ``torch.compile`` calls as it is instead of tracing bsrattn."""
+    if _recording is None:
+        raise RuntimeError("paged_generation::attend runs a DecodeGraphs' plan while it records a graph; no "
+                           "DecodeGraphs is recording one")
     return _recording.attention.run(q, k, v)
 
 

@@ -186,6 +186,9 @@ def test_the_decode_graphs_forward_compiles_whole_with_the_attention_one_op(llam
             eager = engine._forward(torch.tensor([7, 9]), positions, slots, torch.arange(2), engine._attend)
         torch.testing.assert_close(logits[-1], eager, rtol=0, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == compiled_before, "a second engine must reuse the compiled forward"
+    monkeypatch.setattr(paged_generation, "_recording", None)
+    with pytest.raises(RuntimeError, match="no DecodeGraphs is recording one"):
+        torch.ops.paged_generation.attend(torch.zeros(1, 4, 16), engine.cache.k[0], engine.cache.v[0])
 
 
 def test_a_shared_system_prompt_gives_generates_tokens(llama):
