@@ -94,8 +94,8 @@ class PagedModel:
         for r in requests:
             if r not in self.cache:
                 self.cache.open(r)
-        positions = torch.cat([torch.arange(self.cache.length(r), self.cache.length(r) + n)
-                               for r, n in zip(requests, qo_lens)])
+        positions = torch.from_numpy(np.concatenate([np.arange(self.cache.length(r), self.cache.length(r) + n)
+                                                     for r, n in zip(requests, qo_lens)]))
         decoding = [quest_budget is not None and n == 1 and self.cache.length(r) > 0
                     for r, n in zip(requests, qo_lens)]
         slots = torch.cat([self.cache.extend(r, n) for r, n in zip(requests, qo_lens)])

@@ -53,6 +53,30 @@ def test_pages_are_handed_out_in_order_and_taken_back():
     assert lay.kv_lens.tolist() == [8] and lay.kv_indices.tolist() == [2, 0]
 
 
+def test_the_layout_is_layouts_paged_of_the_books():
+    """The cache builds a step's layout from its page tables at once; it must be what ``layouts.paged`` makes of
+    the same tables and lengths, through requests that grow, keep a branch, close and leave pages reused."""
+    rng = np.random.default_rng(3)
+    cache = PagedKVCache(num_layers=1, num_pages=40, page_size=4, num_kv_heads=1, head_dim=2)
+    for step in range(30):
+        request = int(rng.integers(6))
+        if request in cache and rng.random() < 0.15:
+            cache.close(request)
+            continue
+        before = cache.length(request) if request in cache else 0
+        cache.extend(request, int(rng.integers(0, 7)))
+        if rng.random() < 0.2 and cache.length(request) > before + 1:
+            cache.keep(request, before, [0, cache.length(request) - before - 1])
+        open_ = [r for r in range(6) if r in cache]
+        qo_lens = [int(rng.integers(0, 3)) for _ in open_]
+        got = cache.layout(open_, qo_lens)
+        want = ba.layouts.paged(qo_lens, [cache.pages(r) for r in open_], [cache.length(r) for r in open_], 4, 40)
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_len"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), (step, name)
+    with pytest.raises(ValueError, match="qo_lens"):
+        cache.layout(open_, [-1] * len(open_))
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 def test_written_keys_are_where_the_layout_reads_them(kv_layout, compiled):

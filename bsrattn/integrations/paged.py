@@ -19,7 +19,10 @@ of ``examples/paged_generation.py`` drives a transformers model this way. Needs 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
+
+import numpy as np
 
 try:
     import torch
@@ -29,7 +32,7 @@ except ImportError as err:
 from bsrattn import layouts
 from bsrattn.indexing import ceil_div
 from bsrattn.cascade import Cascade
-from bsrattn.coerce import as_int
+from bsrattn.coerce import as_int, as_lengths, indptr_of
 from bsrattn.layout import BSRLayout
 
 __all__ = ["PagedKVCache"]
@@ -158,10 +161,11 @@ class PagedKVCache:
         return self._slots(request, range(start, start + num_tokens))
 
     def _slots(self, request, positions) -> torch.Tensor:
-        """Pool slots of ``request``'s own tokens at ``positions``, int64."""
-        table = torch.as_tensor(self._pages[request], dtype=torch.int64)
-        at = torch.as_tensor(list(positions), dtype=torch.int64)
-        return table[at // self.page_size] * self.page_size + at % self.page_size
+        """Pool slots of ``request``'s own tokens at ``positions``, int64 (in NumPy, whose calls on a few
+        elements cost a fraction of torch's: a decode step makes one per request)."""
+        table = np.asarray(self._pages[request], dtype=np.int64)
+        at = np.asarray(positions, dtype=np.int64)
+        return torch.from_numpy(table[at // self.page_size] * self.page_size + at % self.page_size)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' keys and values of one layer at their slots.
@@ -248,8 +252,15 @@ class PagedKVCache:
         for r in requests:
             if r in self._prefix:
                 raise ValueError(f"request {r!r} continues a shared prefix: use cascade()")
-        return layouts.paged(qo_lens, [self._pages[r] for r in requests], [self._lengths[r] for r in requests],
-                             self.page_size, self.num_pages)
+        # The books' page tables hold exactly the pages their lengths fill, so they are the layout's indices as
+        # they stand: concatenated at once, not checked row by row as layouts.paged checks a caller's.
+        qo_lens = as_lengths("qo_lens", qo_lens, len(requests), "requests")
+        tables = [self._pages[r] for r in requests]
+        pages = np.fromiter(map(len, tables), np.int64, len(tables))
+        lengths = np.fromiter((self._lengths[r] for r in requests), np.int64, len(tables))
+        indices = np.fromiter(itertools.chain.from_iterable(tables), np.int64, int(pages.sum()))
+        last = np.where(pages > 0, lengths - (pages - 1) * self.page_size, 0)
+        return BSRLayout(indptr_of(qo_lens), indptr_of(pages), indices, last, self.page_size, self.num_pages)
 
     def tree(self, requests: Sequence[Hashable], parents: Sequence[Sequence[int]]) -> BSRLayout:
         """The tree layout of ``requests`` (each with no shared prefix) whose last ``len(parents[b])`` tokens are
