@@ -14,10 +14,10 @@ a running state and corrects it as larger scores appear::
 
 A block holds ``nq`` queries at a time: ``tile_rows`` query rows times the ``G`` query heads of its head group,
 its KV head's heads or an equal share of them (query ``i`` is row ``i // G``, head ``head_group * G + i % G``),
-so GQA's heads share every K/V tile the block loads. Work is spread over threads by flat index: (query, key) pairs for scores and probabilities,
-(query, d) pairs for the accumulator (``d`` over V's width, ``dim_vo``: narrower than ``head_dim``, the width of
-``q . k``, for MLA), one thread per query for the running sum. Arithmetic is float32
-(float64 for float64 inputs); fp16/bf16/fp8 elements are decoded as they are read.
+so GQA's heads share every K/V tile the block loads. Work is spread over threads by flat index: (query, key)
+pairs for scores and probabilities, (query, d) pairs for the accumulator (``d`` over V's width, ``dim_vo``:
+narrower than ``head_dim``, the width of ``q . k``, for MLA), one thread per query for the running sum.
+Arithmetic is float32 (float64 for float64 inputs); fp16/bf16/fp8 elements are decoded as they are read.
 
 FlashSigmoid (``Variant.sigmoid_bias``) skips the softmax: ``p_j = sigmoid(s_j + bias)`` and ``acc`` only adds.
 
