@@ -87,6 +87,14 @@ def _last_len(kv_lens, block_size):
     return np.where(kv_lens > 0, kv_lens - (indexing.ceil_div(kv_lens, block_size) - 1) * block_size, 0)
 
 
+def _paged_layout(qo_lens, kv_lens, indices, page_size, num_pages, custom_mask=None) -> BSRLayout:
+    """The paged layout whose rows' pages, ``ceil(kv_lens[b] / page_size)`` of row ``b``, are ``indices`` in row
+    order (lengths as int arrays): :func:`paged` once the tables are read, and the layout of callers that keep
+    their tables themselves (``bsrattn.integrations``)."""
+    return BSRLayout(indptr_of(qo_lens), indptr_of(indexing.ceil_div(kv_lens, page_size)), indices,
+                     _last_len(kv_lens, page_size), page_size, num_pages, custom_mask)
+
+
 def ragged(qo_lens: ArrayLike, kv_lens: ArrayLike) -> BSRLayout:
     """Variable-length requests, each with its KV contiguous in one ``[sum(kv_lens), H, D]`` buffer (Bc=1).
 
@@ -208,8 +216,7 @@ def _paged(qo_lens, page_tables, kv_lens, page_size, num_pages, tables_name="pag
                 raise ValueError(_short_table(tables_name, b, table.size, lens_name, kv_lens[b], n_pages[b]))
             tables.append(table[:n_pages[b]])
         indices = np.concatenate(tables) if tables else np.zeros(0, np.int64)
-    return BSRLayout(indptr_of(qo_lens), indptr_of(n_pages), indices, _last_len(kv_lens, page_size), page_size,
-                     num_pages)
+    return _paged_layout(qo_lens, kv_lens, indices, page_size, num_pages)
 
 
 def block_sparse(indptr: ArrayLike, indices: ArrayLike, M: int, N: int, R: int, C: int,

@@ -32,7 +32,7 @@ except ImportError as err:
 from bsrattn import layouts
 from bsrattn.indexing import ceil_div
 from bsrattn.cascade import Cascade
-from bsrattn.coerce import as_int, as_lengths, indptr_of
+from bsrattn.coerce import as_int, as_lengths
 from bsrattn.layout import BSRLayout
 
 __all__ = ["PagedKVCache"]
@@ -255,12 +255,9 @@ class PagedKVCache:
         # The books' page tables hold exactly the pages their lengths fill, so they are the layout's indices as
         # they stand: concatenated at once, not checked row by row as layouts.paged checks a caller's.
         qo_lens = as_lengths("qo_lens", qo_lens, len(requests), "requests")
-        tables = [self._pages[r] for r in requests]
-        pages = np.fromiter(map(len, tables), np.int64, len(tables))
-        lengths = np.fromiter((self._lengths[r] for r in requests), np.int64, len(tables))
-        indices = np.fromiter(itertools.chain.from_iterable(tables), np.int64, int(pages.sum()))
-        last = np.where(pages > 0, lengths - (pages - 1) * self.page_size, 0)
-        return BSRLayout(indptr_of(qo_lens), indptr_of(pages), indices, last, self.page_size, self.num_pages)
+        lengths = np.fromiter((self._lengths[r] for r in requests), np.int64, len(requests))
+        indices = np.fromiter(itertools.chain.from_iterable(self._pages[r] for r in requests), np.int64)
+        return layouts._paged_layout(qo_lens, lengths, indices, self.page_size, self.num_pages)
 
     def tree(self, requests: Sequence[Hashable], parents: Sequence[Sequence[int]]) -> BSRLayout:
         """The tree layout of ``requests`` (each with no shared prefix) whose last ``len(parents[b])`` tokens are

@@ -81,7 +81,7 @@ except ImportError as err:
     raise ImportError("bsrattn.integrations.transformers needs transformers (4.53 or newer) and torch: "
                       "pip install 'bsrattn[transformers]'") from err
 
-from bsrattn import indexing
+from bsrattn import indexing, layouts
 from bsrattn.api import BatchAttention
 from bsrattn.backends import get_backend
 from bsrattn.layout import BSRLayout
@@ -265,11 +265,8 @@ def _one_block_per_request(batch_size, qo_len, kv_lens, block_size, custom_mask=
     """Request ``b``: ``qo_len`` queries over the first ``kv_lens[b] <= block_size`` slots of block ``b`` (a
     request of no keys has no block), built from arrays rather than page tables: a step's host work."""
     kv_lens = np.asarray(kv_lens)
-    has_keys = kv_lens > 0
-    kv_indptr = np.zeros(batch_size + 1, dtype=np.int64)
-    np.cumsum(has_keys, out=kv_indptr[1:])
-    return BSRLayout(np.arange(batch_size + 1) * qo_len, kv_indptr, np.flatnonzero(has_keys), kv_lens, block_size,
-                     batch_size, custom_mask)
+    return layouts._paged_layout(np.full(batch_size, qo_len), kv_lens, np.flatnonzero(kv_lens > 0), block_size,
+                                 batch_size, custom_mask)
 
 
 def _visible(attention_mask, batch_size, qo_len, kv_len) -> np.ndarray:
