@@ -226,13 +226,14 @@ def test_plan_options_pick_decode_and_prefill_tiles():
 
 
 @pytest.mark.parametrize("heads, dims, qo_len, kv_len", [
-    ((128, 1), (576, 512), 1, 4096),  # MLA decode at DeepSeek-V3's widths: one tile of all 128 heads
+    ((128, 1), (576, 512), 64, 4096),  # MLA prefill at DeepSeek-V3's widths: a tile of one query's 128 heads
     ((32, 8), (128, 128), 32, 4096),  # a chunk of prefill over a long cache
 ])
 def test_a_split_prefill_tile_reads_more_kv_than_its_partial_states(heads, dims, qo_len, kv_len, monkeypatch):
     """Where a prefill-shaped tile's row is split over a GPU's CTAs, each item reads at least as many K and V bytes
     as the float32 partial state it writes, which the one program that folds the row reads back: a finer cut
-    makes that fold the call's critical path (W11's MLA decode at batch 1: 512 states of 256 KiB)."""
+    makes that fold the call's critical path (W11's MLA decode at batch 1, when it planned as a prefill: 512 states
+    of 256 KiB)."""
     from bsrattn.validation import make_spec
 
     _pretend_sms(monkeypatch, 132)
@@ -245,7 +246,30 @@ def test_a_split_prefill_tile_reads_more_kv_than_its_partial_states(heads, dims,
     keys = plan.item_kv_end - plan.item_kv_start
     rows = opts["tile_q"] * spec.group_size
     assert plan.num_merges and keys.size > 1, "the case must split its row"
-    assert keys[:-1].min() * (head_dim + dim_vo) * 2 >= rows * dim_vo * 4  # the last chunk takes the rest
+    inner = keys[plan.item_kv_end < kv_len]  # a tile's last chunk takes the rest
+    assert inner.min() * (head_dim + dim_vo) * 2 >= rows * dim_vo * 4
+
+
+@pytest.mark.parametrize("variant", [ba.Variant(causal=True, alibi_slopes=[0.5 ** i for i in range(1, 33)]),
+                                     ba.Variant(logits_soft_cap=2.0)], ids=["causal, ALiBi", "soft cap"])
+@pytest.mark.parametrize("split", [dict(num_ctas=2, fixed_split_size=24), dict(deterministic=True, split_size=64)],
+                         ids=["split rows", "deterministic"])
+def test_a_gqa_group_too_tall_for_a_decode_tile_runs_in_head_groups(variant, split):
+    """A decode step whose rows of a KV head's query heads overflow one decode tile (here 8 speculative rows x 16
+    heads a KV head, 128 rows) runs its heads in groups (``config.head_groups``: 2 groups of 8 heads, 64 rows), each
+    group's programs reading the KV head's tiles on their own, splitting and merging rows, and redoing masked rows,
+    apart. Every head answers as the reference does, by the head its ALiBi slope marks; the counters and flags are
+    back at zero after each call."""
+    rng = np.random.default_rng(33)
+    problem = paged_problem(variant, hq=32, hkv=2, **scattered(rng, (8, 3, 1), (150, 12, 70)))
+    run, attn = _batch(problem, torch.float16, **split)
+    for _ in range(2):
+        check_attention(run, problem, "float16", name=f"head groups, {split}")
+        runner = attn._runners[0]
+        config = runner.launch_config("float16", "NHD", True)
+        assert (runner.head_groups, config.head_programs, config.tile_group) == (2, 4, 8), config
+        assert runner.work_plan.num_merges > 0 or split.get("deterministic"), "the case must split rows"
+        assert not runner.buffers.sync.any(), "a merge counter or flag left behind"
 
 
 def test_a_decode_batch_of_few_pairs_runs_on_one_8_warp_cta_per_sm(monkeypatch):
@@ -325,7 +349,7 @@ def test_the_packers_give_the_declared_arguments_in_order():
         assert named[name].data_ptr() == x.data_ptr() and named[name].dtype == x.dtype, name
     assert named["part_o_strides"] == buffers.part_o.stride()[:2]
     assert named["part_lse_strides"] == buffers.part_lse.stride()
-    assert (named["window_left"], named["num_kv_heads"], named["merge_rows"]) == (5, 2, buffers.merge_rows)
+    assert (named["window_left"], named["head_programs"], named["merge_rows"]) == (5, 2, buffers.merge_rows)
 
 
 def test_a_launch_of_a_kept_kernel_hands_it_the_declared_arguments(monkeypatch):

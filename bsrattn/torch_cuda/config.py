@@ -26,7 +26,8 @@ exactly ``L_kv`` the per-row ceilings leave a few more items than CTAs, so a sec
 doubles the makespan; aligned chunks fit one wave, and the minimum stops a small budget from being cut into
 2-tile items whose prologue and merge dominate. A split prefill-shaped row's chunks are at least
 :func:`split_keys` long, the keys whose K and V outweigh the item's partial state: one program folds a row's
-states, and MLA's 128-head tile cut into 8-key chunks took 5 ms at batch 1 (W11). The other choices here
+states, and a 128-row tile cut into 8-key chunks took 5 ms (W11's MLA decode, before :func:`head_groups` made it
+a decode). The other choices here
 were measured (``benchmarks/tune.py``; the figures are in ``benchmarks/NOTES.md``, the torch tier's ladder). A
 caller who passes ``num_ctas`` to ``BatchAttention.plan`` gets Algorithm 1 exactly at that count, without these
 bounds.
@@ -164,6 +165,23 @@ def num_sms(device=None) -> int:
     return _SMS[index]
 
 
+def head_groups(spec) -> int:
+    """How many groups a KV head's query heads run in, each group's programs reading the KV head's tiles on their
+    own (the launch grid's second dimension is ``num_kv_heads x head_groups``): 1, unless a decode step's rows of
+    the whole GQA group overflow a decode tile (:data:`DECODE_ROWS` rows, or the fewer :func:`tiles` gives wide
+    heads). Then the fewest groups whose rows fit one tile: multi-head latent attention's 128 query heads over one
+    latent head, 576 wide, run as 4 groups of 32. As one tile of 128 rows such a step would plan as a prefill
+    (4 sub-tiles streaming each item's keys in turn, its split rows' states folded by one program); as 4 groups it
+    plans as a decode, whose groups stream the same keys side by side and fold their states apart."""
+    qo = spec.layout.qo_lens
+    tallest = int(qo.max()) if qo.size else 1
+    group = spec.group_size
+    rows = tiles(DECODE_ROWS, spec.head_dim, spec.q_dtype, head_dim_vo=spec.head_dim_vo).block_m
+    if tallest * group <= rows:
+        return 1
+    return next((n for n in range(2, group + 1) if group % n == 0 and tallest * (group // n) <= rows), 1)
+
+
 def plan_options(spec, device=None) -> dict:
     """Scheduler options for ``spec``: ``num_ctas`` (per KV head), ``tile_q``, ``min_split_size``, ``kv_align``,
     ``busy_ctas`` (decode), and ``lead_items`` (deterministic mode: the kernel folds an item's chunks itself, so a
@@ -180,21 +198,24 @@ def plan_options(spec, device=None) -> dict:
     """
     qo = spec.layout.qo_lens
     tallest = int(qo.max()) if qo.size else 1
+    groups = head_groups(spec)
+    group = spec.group_size // groups  # query heads a program's tile holds
+    programs = spec.num_kv_heads * groups  # the launch grid's second dimension
     # Decode: every block row's query rows x group heads fit one small tile.
-    kind = "decode" if tallest * spec.group_size <= DECODE_ROWS else "prefill"
+    kind = "decode" if tallest * group <= DECODE_ROWS else "prefill"
     if kind == "decode":
-        m = block_m(tallest, spec.group_size)
+        m = block_m(tallest, group)
     else:
         m = 64 if wide_heads(spec) or spec.q_dtype == "float32" else PREFILL_BLOCK_M
-    ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // spec.num_kv_heads)
+    ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // programs)
     if kind == "decode":
         block_n = tiles(m, spec.head_dim, spec.q_dtype, head_dim_vo=spec.head_dim_vo).block_n
         sms = num_sms(device)
-        few_pairs = m <= DECODE_FEW_ROWS and spec.layout.num_rows * spec.num_kv_heads * DECODE_FEW_PAIRS_PER <= sms
-        return dict(num_ctas=ctas, tile_q=max(1, m // spec.group_size), min_split_size=DECODE_MIN_SPLIT,
-                    kv_align=block_n, busy_ctas=max(1, min(ctas, sms // spec.num_kv_heads)) if few_pairs else ctas,
+        few_pairs = m <= DECODE_FEW_ROWS and spec.layout.num_rows * programs * DECODE_FEW_PAIRS_PER <= sms
+        return dict(num_ctas=ctas, tile_q=max(1, m // group), min_split_size=DECODE_MIN_SPLIT,
+                    kv_align=block_n, busy_ctas=max(1, min(ctas, sms // programs)) if few_pairs else ctas,
                     lead_items=spec.split_size is not None)
-    tile_q = max(1, m // spec.group_size)
+    tile_q = max(1, m // group)
     # As many query tiles as CTAs or more: every CTA has whole tiles to run, so no row is split (a chunk as long
     # as the longest row), and the kernel carries no merges (LaunchConfig.merges). Fewer tiles (a short prefill
     # over a long cache, or MLA's decode, whose one latent head gives a tile of every query head): the rows are
@@ -249,14 +270,15 @@ def decode_on_items(work_plan, rows: int) -> bool:
     return kv.size >= DECODE_CHAIN_ITEMS * work_plan.num_ctas and kv.mean(dtype=np.float64) <= DECODE_SHORT_ITEM
 
 
-def item_kernel_for(spec, work_plan, q_dtype: str, affine_rows: bool) -> int:
-    """``LaunchConfig.item_kernel`` for ``work_plan``: 0 (the persistent kernel) unless the item kernel
+def item_kernel_for(spec, work_plan, q_dtype: str, affine_rows: bool, group: int) -> int:
+    """``LaunchConfig.item_kernel`` for ``work_plan``, whose tiles pack ``group`` query heads a query row (a head
+    group's, :func:`head_groups`): 0 (the persistent kernel) unless the item kernel
     (``item_kernel.py``) runs it: a plan whose tiles fit one M tile, whose variant the item kernel has (at most a causal
     mask and a soft cap; not deterministic), that splits no row where the causal mask hides keys, and, for decode tiles,
     that :func:`decode_on_items` picks; then :data:`ITEM_KERNEL_TMA` for a plan with ``affine_rows`` whose items average
     :data:`ITEM_TMA_MIN_KV` slots or more, else :data:`ITEM_KERNEL`."""
     variant = spec.variant
-    rows = work_plan.tile_q * spec.group_size
+    rows = work_plan.tile_q * group
     if ((work_plan.num_merges and causal_hides_keys(spec)) or spec.split_size is not None or rows > PREFILL_BLOCK_M
             or (rows <= DECODE_ROWS and not decode_on_items(work_plan, rows))
             or q_dtype == "float32" or wide_heads(spec) or variant.window_left >= 0
@@ -335,6 +357,9 @@ class LaunchConfig:
     value ``ckv`` in its key ``ckv ⊕ kpe``): the kernel then loads ``q`` and each K tile in two parts, those columns
     (``block_d`` is their tile, as wide as ``block_dv``) and the rest (:attr:`block_dr`), and uses the first part
     of the K tile as the V tile. The call decides it, as it passes ``v``."""
+    head_groups: int = 1
+    """How many groups each KV head's query heads run in (:func:`head_groups`): the launch grid's second dimension is
+    :attr:`head_programs`, and each program's tile holds :attr:`tile_group` query heads of its KV head."""
 
     def __post_init__(self):
         if self.head_dim_vo is None:
@@ -347,6 +372,16 @@ class LaunchConfig:
         """With :attr:`value_in_key`, the tile of the key's columns past the value's (``head_dim - head_dim_vo``);
         0 otherwise."""
         return block_d(self.head_dim - self.head_dim_vo) if self.value_in_key else 0
+
+    @property
+    def head_programs(self) -> int:
+        """The launch grid's second dimension: one program a KV head's head group."""
+        return self.num_kv_heads * self.head_groups
+
+    @property
+    def tile_group(self) -> int:
+        """The query heads of one head group, which a tile's rows pack (the kernels' ``GROUP_SIZE``)."""
+        return self.group_size // self.head_groups
 
     @property
     def deterministic(self) -> bool:

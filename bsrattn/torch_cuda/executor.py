@@ -1,12 +1,15 @@
 """A :class:`~bsrattn.scheduler.WorkPlan` executed by one persistent Triton kernel, merge folded in.
 
 Must match :func:`bsrattn.reference.executor.execute`. The launch is a fixed launch grid
-``(num_ctas, num_kv_heads)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for KV head ``h``. For each item:
+``(num_ctas, num_kv_heads x HEAD_GROUPS)``: program ``(c, h)`` walks CTA ``c``'s items in plan order for head group
+``h``, the ``G`` query heads ``h * G .. h * G + G - 1`` of KV head ``h // HEAD_GROUPS``. For each item:
 
-1. **GQA head-group fusion.** The tile's M dimension packs the item's query rows x the ``G`` query heads of
-   KV head ``h`` (row ``m`` is query row ``qo_start + m // G``, head ``h * G + m % G``), so each K/V byte
-   is read once per KV head, not once per query head. Items with more rows than ``BLOCK_M`` loop over
-   M sub-tiles.
+1. **GQA head-group fusion.** The tile's M dimension packs the item's query rows x the ``G`` query heads of the
+   group (row ``m`` is query row ``qo_start + m // G``, head ``h * G + m % G``), so each K/V byte is read once
+   per group, not once per query head. A KV head's query heads are one group (``HEAD_GROUPS = 1``) unless they
+   overflow a decode tile (``config.head_groups``: multi-head latent attention's 128 heads over one latent head),
+   when its groups' programs read the same K/V tiles side by side. Items with more rows than ``BLOCK_M`` loop
+   over M sub-tiles.
 2. **Block skipping.** Causal masking ends the KV loop after the tile's last query position, a sliding
    window starts it at the first query position minus ``window_left``; tiles outside are never loaded.
 3. The microkernel (:func:`~bsrattn.torch_cuda.microkernel.attend_range`) over the item's KV range (``v``, the
@@ -74,14 +77,15 @@ def persistent_attention(
         q_strides, k_strides, v_strides, out_strides, lse_strides, block_size, scalars,
         # ... then kernel_args.PLAN_ARGS: what the plan's buffers and the configuration fix.
         part_o, part_lse, sync, cta_indptr, items, merge_partials, kv_indices, mask_ptr, alibi_ptr, rope_ptr, rope_q,
-        part_o_strides, part_lse_strides, window_left, num_kv_heads, merge_rows,
+        part_o_strides, part_lse_strides, window_left, head_programs, merge_rows,
         HEAD_DIM: tl.constexpr, HEAD_DIM_VO: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         SOFT_CAP: tl.constexpr,
         ALIBI: tl.constexpr, SIGMOID: tl.constexpr, ROPE: tl.constexpr, CUSTOM_MASK: tl.constexpr,
         STORE_LSE: tl.constexpr, AFFINE_ROWS: tl.constexpr, MERGES: tl.constexpr, PRECISION: tl.constexpr,
-        DETERMINISTIC: tl.constexpr, SPLIT_SIZE: tl.constexpr, PRIOR: tl.constexpr, REDO: tl.constexpr):
+        DETERMINISTIC: tl.constexpr, SPLIT_SIZE: tl.constexpr, PRIOR: tl.constexpr, REDO: tl.constexpr,
+        HEAD_GROUPS: tl.constexpr):
     # sync, in blocks of merge_rows rows (the buffers' merge capacity): the first counts a merge's partial
     # states as they land, the second the same in the second launch, the third flags the merges whose output
     # came out non-finite; then one row per item flags such items.
@@ -89,13 +93,13 @@ def persistent_attention(
     TILE: tl.constexpr = Tile(HEAD_DIM, HEAD_DIM_VO, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_H, BLOCK_SIZE,
                               AFFINE_ROWS, PRECISION, BLOCK_DR)
     VARIANT: tl.constexpr = Switches(CAUSAL, HAS_WINDOW, SOFT_CAP, ALIBI, SIGMOID, ROPE, CUSTOM_MASK)
-    merge_flags = sync + 2 * merge_rows * num_kv_heads
-    item_flags = sync + 3 * merge_rows * num_kv_heads
+    merge_flags = sync + 2 * merge_rows * head_programs
+    item_flags = sync + 3 * merge_rows * head_programs
     cta = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head_group = tl.program_id(1)  # GROUP_SIZE query heads of KV head head_group // HEAD_GROUPS
     stride_qn, stride_qh, stride_qd = q_strides
-    k_head = k_ptr + kv_head * k_strides[2]
-    v_head = v_ptr + kv_head * v_strides[2]
+    k_head = k_ptr + head_group // HEAD_GROUPS * k_strides[2]
+    v_head = v_ptr + head_group // HEAD_GROUPS * v_strides[2]
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)  # v's and the output's columns
     half = tl.arange(0, BLOCK_H)  # fused RoPE: q and k in halves, dims [0, D/2) and [D/2, D)
@@ -118,17 +122,17 @@ def persistent_attention(
         compute = True
         joins = merge >= 0
         if REDO:
-            compute = tl.load(item_flags + w * num_kv_heads + kv_head) != 0
+            compute = tl.load(item_flags + w * head_programs + head_group) != 0
             if compute:  # read by this program alone: cleared for the next launch
-                tl.store(item_flags + w * num_kv_heads + kv_head, 0)
+                tl.store(item_flags + w * head_programs + head_group, 0)
             if MERGES:
-                joins = (merge >= 0) & (tl.load(merge_flags + tl.maximum(merge, 0) * num_kv_heads + kv_head) != 0)
+                joins = (merge >= 0) & (tl.load(merge_flags + tl.maximum(merge, 0) * head_programs + head_group) != 0)
             n_rows = tl.where(compute, n_rows, 0)
         for m0 in range(0, n_rows, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
             valid_m = m < n_rows
             rel = tile_query(m, GROUP_SIZE)
-            head = tile_head(kv_head, GROUP_SIZE, m)
+            head = tile_head(head_group, GROUP_SIZE, m)
             q_local = qo_start - qo_first + rel
             q_pos = query_position(qo_len, kv_len, q_local)
             lo = kv_start
@@ -183,10 +187,10 @@ def persistent_attention(
                     o, lse = o_c, lse_c
             if HIDDEN_KEYS and not REDO:
                 if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:  # a non-finite row: the second launch redoes the item
-                    tl.store(item_flags + w * num_kv_heads + kv_head, 1)
+                    tl.store(item_flags + w * head_programs + head_group, 1)
             if partial < 0:
                 store_output(out_ptr, lse_ptr, out_strides, lse_strides, prior_o, prior_lse, qo_start + rel, head,
-                             valid_m, dv, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
+                             valid_m, dv, o, lse, head_programs * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
             elif MERGES:
                 store_state(part_o, part_lse, partial + rel, head, valid_m, dv, o, lse,
                             (part_o_strides[0], part_o_strides[1], 1), part_lse_strides, HEAD_DIM_VO, not SIGMOID)
@@ -194,29 +198,29 @@ def persistent_attention(
             n_rows = (qo_end - qo_start) * GROUP_SIZE
             parts_lo = tl.load(item + _PARTS_LO)
             parts_hi = tl.load(item + _PARTS_HI)
-            counter = sync + ((merge_rows if REDO else 0) + merge) * num_kv_heads + kv_head
+            counter = sync + ((merge_rows if REDO else 0) + merge) * head_programs + head_group
             if last_to_arrive(counter, parts_hi - parts_lo):
                 # Every other item of the merge has arrived, and read the merge's flag, which goes back to zero
                 # for the next launch as the counter did.
                 if REDO:
-                    tl.store(merge_flags + merge * num_kv_heads + kv_head, 0)
+                    tl.store(merge_flags + merge * head_programs + head_group, 0)
                 for m0 in range(0, n_rows, BLOCK_M):
                     m = m0 + tl.arange(0, BLOCK_M)
                     valid_m = m < n_rows
                     rel = tile_query(m, GROUP_SIZE)
-                    head = tile_head(kv_head, GROUP_SIZE, m)
+                    head = tile_head(head_group, GROUP_SIZE, m)
                     o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head,
                                            valid_m, dv, part_o_strides, part_lse_strides, HEAD_DIM_VO, SIGMOID)
                     if HIDDEN_KEYS and not REDO:
                         if tl.sum(tl.sum(o * 0.0, 1), 0) != 0.0:
-                            tl.store(merge_flags + merge * num_kv_heads + kv_head, 1)
+                            tl.store(merge_flags + merge * head_programs + head_group, 1)
                     store_output(out_ptr, lse_ptr, out_strides, lse_strides, prior_o, prior_lse, qo_start + rel,
-                                 head, valid_m, dv, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
+                                 head, valid_m, dv, o, lse, head_programs * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
 
 
 def constexprs(config, q_dtype, redo: bool = False) -> dict:
     """The compile-time arguments of :func:`persistent_attention` for ``config`` and a ``q`` of ``q_dtype``."""
-    return dict(HEAD_DIM=config.head_dim, HEAD_DIM_VO=config.head_dim_vo, GROUP_SIZE=config.group_size,
+    return dict(HEAD_DIM=config.head_dim, HEAD_DIM_VO=config.head_dim_vo, GROUP_SIZE=config.tile_group,
                 BLOCK_SIZE=block_size_constexpr(config.block_size), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 BLOCK_D=config.block_d, BLOCK_DV=config.block_dv, BLOCK_DR=config.block_dr,
                 BLOCK_H=max(16, config.block_d // 2),
@@ -224,7 +228,7 @@ def constexprs(config, q_dtype, redo: bool = False) -> dict:
                 SIGMOID=config.sigmoid, ROPE=config.rope, CUSTOM_MASK=config.custom_mask, STORE_LSE=config.store_lse,
                 AFFINE_ROWS=config.affine_rows, MERGES=config.merges,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32", DETERMINISTIC=config.deterministic,
-                SPLIT_SIZE=max(config.split_size, 1), PRIOR=config.prior, REDO=redo)
+                SPLIT_SIZE=max(config.split_size, 1), PRIOR=config.prior, REDO=redo, HEAD_GROUPS=config.head_groups)
 
 
 def launch_args(q, k, v, out, lse, buffers, config, scalars, prior=None):
@@ -235,7 +239,7 @@ def launch_args(q, k, v, out, lse, buffers, config, scalars, prior=None):
     kwargs = dict(constexprs(config, q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
                   enable_fp_fusion=not config.deterministic)
     args = call_args(q, k, v, out, lse, *prior_state(buffers, prior), config, scalars) + plan_args(buffers, config)
-    return (config.num_ctas, config.num_kv_heads), args, kwargs
+    return (config.num_ctas, config.head_programs), args, kwargs
 
 
 def passes(config, q_dtype, item_capacity: int, tma: bool = False) -> list:
@@ -244,8 +248,8 @@ def passes(config, q_dtype, item_capacity: int, tma: bool = False) -> list:
     reading affine rows through tensor descriptors when ``tma``), then, under masks that hide keys, the persistent
     kernel's ``REDO`` over the items the first flagged. ``item_capacity`` is the buffers' (the item kernel's
     launch grid)."""
-    launch_grid = (config.num_ctas, config.num_kv_heads)
-    first = ((item_kernel.item_attention, (item_capacity, config.num_kv_heads),
+    launch_grid = (config.num_ctas, config.head_programs)
+    first = ((item_kernel.item_attention, (item_capacity, config.head_programs),
               item_kernel.constexprs(config, q_dtype, tma))
              if config.item_kernel else (persistent_attention, launch_grid, constexprs(config, q_dtype)))
     redo = [(persistent_attention, launch_grid, constexprs(config, q_dtype, True))] if config.hidden_keys else []

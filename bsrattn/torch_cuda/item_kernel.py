@@ -13,10 +13,10 @@ one program's start with another's loads. A split item writes its partial state;
 land folds them in the plan's order (:func:`~bsrattn.torch_cuda.merge.last_to_arrive`,
 :func:`~bsrattn.torch_cuda.merge.fold_partials`).
 
-Program ``(w, h)`` runs item ``w`` for KV head ``h`` and stops. The launch is ``capacity x num_kv_heads``
-programs, the buffers' item capacity (fixed while re-plans fit the buffers, so a captured CUDA graph replays
-any of them); the programs past the plan's items return at once. The hardware starts each program as an SM
-frees up, which evens out the causal triangle's unequal tiles as they run. The tile loop is the microkernel's
+Program ``(w, h)`` runs item ``w`` for head group ``h`` (the persistent kernel's) and stops. The launch is
+``capacity x head_programs`` programs, the buffers' item capacity (fixed while re-plans fit the buffers, so a
+captured CUDA graph replays any of them); the programs past the plan's items return at once. The hardware starts
+each program as an SM frees up, which evens out the causal triangle's unequal tiles as they run. The tile loop is the microkernel's
 (:func:`~bsrattn.torch_cuda.microkernel.attend_range`: tiles wholly below the diagonal run without masks). Its
 runtime arguments are the persistent kernel's (:data:`~bsrattn.torch_cuda.kernel_args.RUNTIME_ARGS`), so one
 launcher call serves both.
@@ -93,12 +93,12 @@ def item_attention(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, prior_o, prior_lse,
         q_strides, k_strides, v_strides, out_strides, lse_strides, block_size, scalars,
         part_o, part_lse, sync, cta_indptr, items, merge_partials, kv_indices, mask_ptr, alibi_ptr, rope_ptr, rope_q,
-        part_o_strides, part_lse_strides, window_left, num_kv_heads, merge_rows,
+        part_o_strides, part_lse_strides, window_left, head_programs, merge_rows,
         HEAD_DIM: tl.constexpr, HEAD_DIM_VO: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, STORE_LSE: tl.constexpr, AFFINE_ROWS: tl.constexpr,
         PRECISION: tl.constexpr, NUM_CTAS: tl.constexpr, TMA: tl.constexpr, MERGES: tl.constexpr,
-        PRIOR: tl.constexpr):
+        PRIOR: tl.constexpr, HEAD_GROUPS: tl.constexpr):
     # Split items and hidden keys are never planned together here (config.item_kernel_for): a split item whose
     # state came out non-finite would need the merge flags of the persistent kernel's second launch.
     tl.static_assert(not (MERGES and CAUSAL))
@@ -106,9 +106,9 @@ def item_attention(
                               AFFINE_ROWS, PRECISION)
     VARIANT: tl.constexpr = Switches(CAUSAL, False, SOFT_CAP, False, False, False, False)
     w = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head_group = tl.program_id(1)  # GROUP_SIZE query heads of KV head head_group // HEAD_GROUPS
     if w < tl.load(cta_indptr + NUM_CTAS):  # programs past the plan's items stop here
-        item_flags = sync + 3 * merge_rows * num_kv_heads
+        item_flags = sync + 3 * merge_rows * head_programs
         item = items + w * _STRIDE
         qo_start, qo_end, kv_start, kv_end, _, _, qo_first, qo_len, kv_len, block_start, first_slot = \
             load_item(item, False)
@@ -118,7 +118,7 @@ def item_attention(
         m = tl.arange(0, BLOCK_M)
         valid_m = m < n_rows
         rel = tile_query(m, GROUP_SIZE)
-        head = tile_head(kv_head, GROUP_SIZE, m)
+        head = tile_head(head_group, GROUP_SIZE, m)
         q_local = qo_start - qo_first + rel
         q_pos = query_position(qo_len, kv_len, q_local)
         hi = kv_end
@@ -128,8 +128,8 @@ def item_attention(
         stride_qn, stride_qh, stride_qd = q_strides
         q = tl.load(q_ptr + (qo_start + rel).to(tl.int64)[:, None] * stride_qn + head[:, None] * stride_qh
                     + d[None, :] * stride_qd, mask=valid_m[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        k_head = k_ptr + kv_head * k_strides[2]
-        v_head = v_ptr + kv_head * v_strides[2]
+        k_head = k_ptr + head_group // HEAD_GROUPS * k_strides[2]
+        v_head = v_ptr + head_group // HEAD_GROUPS * v_strides[2]
         none = tl.zeros([BLOCK_M], dtype=tl.float32)
         query = QueryTile(q, q, q_pos, q_local, valid_m, none)
         row = KVRow(k_head, v_head, k_strides, v_strides, kv_indices, block_start, first_slot, block_size, kv_len,
@@ -155,10 +155,10 @@ def item_attention(
         if MERGES:
             partial = tl.load(item + _PARTIAL)
         if redo:
-            tl.store(item_flags + w * num_kv_heads + kv_head, 1)
+            tl.store(item_flags + w * head_programs + head_group, 1)
         elif partial < 0:
             store_output(out_ptr, lse_ptr, out_strides, lse_strides, prior_o, prior_lse, qo_start + rel, head,
-                         valid_m, dv, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
+                         valid_m, dv, o, lse, head_programs * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
         else:
             # A split item: its partial state, then the merge's fold by the last of its items to land, in the
             # plan's order (executor.py, step 4).
@@ -167,22 +167,23 @@ def item_attention(
             merge = tl.load(item + _MERGE)
             parts_lo = tl.load(item + _PARTS_LO)
             parts_hi = tl.load(item + _PARTS_HI)
-            if last_to_arrive(sync + merge * num_kv_heads + kv_head, parts_hi - parts_lo):
+            if last_to_arrive(sync + merge * head_programs + head_group, parts_hi - parts_lo):
                 o, lse = fold_partials(part_o, part_lse, merge_partials, parts_lo, parts_hi, rel, head, valid_m, dv,
                                        part_o_strides, part_lse_strides, HEAD_DIM_VO, False)
                 store_output(out_ptr, lse_ptr, out_strides, lse_strides, prior_o, prior_lse, qo_start + rel,
-                             head, valid_m, dv, o, lse, num_kv_heads * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
+                             head, valid_m, dv, o, lse, head_programs * GROUP_SIZE, HEAD_DIM_VO, STORE_LSE, PRIOR)
 
 
 def constexprs(config, q_dtype, tma: bool) -> dict:
     """The compile-time arguments of :func:`item_attention` for ``config``, a ``q`` of ``q_dtype`` and whether the
     call's affine rows go through tensor descriptors (:func:`tma_ready`)."""
-    return dict(HEAD_DIM=config.head_dim, HEAD_DIM_VO=config.head_dim_vo, GROUP_SIZE=config.group_size,
+    return dict(HEAD_DIM=config.head_dim, HEAD_DIM_VO=config.head_dim_vo, GROUP_SIZE=config.tile_group,
                 BLOCK_SIZE=block_size_constexpr(config.block_size), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 BLOCK_D=config.block_d, BLOCK_DV=config.block_dv, CAUSAL=config.causal, SOFT_CAP=config.soft_cap,
                 STORE_LSE=config.store_lse, AFFINE_ROWS=config.affine_rows,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32",
-                NUM_CTAS=config.num_ctas, TMA=tma, MERGES=config.merges, PRIOR=config.prior)
+                NUM_CTAS=config.num_ctas, TMA=tma, MERGES=config.merges, PRIOR=config.prior,
+                HEAD_GROUPS=config.head_groups)
 
 
 def tma_ready(config, q, k, v) -> bool:

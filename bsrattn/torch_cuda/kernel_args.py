@@ -40,7 +40,7 @@ CALL_ARGS = CALL_TENSORS + CALL_INTS + CALL_FLOATS
 """The arguments a call gives (:func:`call_args`)."""
 PLAN_ARGS = (
     "part_o", "part_lse",  # [partial_rows, Hq, Dv], [partial_rows, Hq] f32: split items' partial states
-    "sync",  # [3 * merge_rows + W, Hkv] i32: merge counters of each launch, merge flags, item flags
+    "sync",  # [3 * merge_rows + W, head_programs] i32: merge counters of each launch, merge flags, item flags
     "cta_indptr",  # [num_ctas + 1]: CTA c runs items cta_indptr[c]:cta_indptr[c + 1]
     "items",  # [W, ITEM_STRIDE]: one item row each (bsrattn.items.ITEM_FIELDS)
     "merge_partials",  # [P]: each merge's partial states, in fold order
@@ -51,7 +51,7 @@ PLAN_ARGS = (
     "rope_q",  # [nnz_qo] i32: fused RoPE's query positions
     "part_o_strides", "part_lse_strides",  # (row, head) of part_o and of part_lse
     "window_left",  # the sliding window, -1 for none
-    "num_kv_heads",  # Hkv
+    "head_programs",  # the launch grid's second dimension: Hkv x head groups (LaunchConfig.head_groups)
     "merge_rows",  # sync's merge capacity: the rows of each of its first three blocks
 )
 """The arguments the plan's buffers and the launch configuration fix (:func:`plan_args`): the same for every call
@@ -77,7 +77,7 @@ def plan_args(buffers, config) -> tuple:
     sec = buffers.section
     return (buffers.part_o, buffers.part_lse, buffers.sync, sec("cta_indptr"), sec("items"), sec("merge_partials"),
             sec("kv_indices"), buffers.mask, buffers.alibi, buffers.rope, sec("rope_q"), buffers.part_o.stride()[:2],
-            buffers.part_lse.stride(), config.window_left, config.num_kv_heads, buffers.merge_rows)
+            buffers.part_lse.stride(), config.window_left, config.head_programs, buffers.merge_rows)
 
 
 def runtime_names(kernel) -> tuple:

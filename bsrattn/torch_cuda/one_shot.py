@@ -16,7 +16,7 @@ import torch
 
 from bsrattn import scheduler
 from bsrattn.torch_cuda.arrays import canonical_device, device_of
-from bsrattn.torch_cuda.config import plan_options
+from bsrattn.torch_cuda.config import head_groups, plan_options
 from bsrattn.torch_cuda.plan_buffers import Capacity
 from bsrattn.torch_cuda.runner import Runner
 
@@ -66,7 +66,8 @@ def attention(spec, q, k, v, *, out=None, lse=None, return_lse=False, k_scale=No
     """
     device = canonical_device(device_of(q, k, v, out, lse))
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    shape_key = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_vo, device)  # as PlanBuffers'
+    shape_key = (spec.num_qo_heads, spec.num_kv_heads * head_groups(spec), spec.head_dim, spec.head_dim_vo,
+                 device)  # as PlanBuffers'
     runner = None if capturing else _kept.pop(shape_key, None)  # taken: no other call runs it meanwhile
     if runner is not None and not _same_spec(runner.spec, spec):
         _give_back(runner.buffers)

@@ -211,7 +211,8 @@ class PlanBuffers(PlanSections):
 
     ``part_o [partial_rows, num_qo_heads, head_dim_vo]`` and ``part_lse [partial_rows, num_qo_heads]`` (float32)
     hold split items' partial states, as wide as ``v`` (``head_dim_vo``: ``head_dim`` where None);
-    ``sync [3 * merges + items, num_kv_heads]`` (int32) holds the merge counters, which count the partial states of
+    ``sync [3 * merges + items, head_programs]`` (int32, one column a program of the launch grid's second dimension:
+    ``LaunchConfig.head_programs``) holds the merge counters, which count the partial states of
     each split tile as they land so that the CTA writing the last one merges, and the flags of the items and merges
     whose output came out non-finite (``executor.py``).
     ``host_staging`` (default: on a CUDA device) fills a host copy, pinned on CUDA, and copies the bytes a
@@ -221,11 +222,11 @@ class PlanBuffers(PlanSections):
     is allocated zero, and each launch sets back to zero what it counts or flags.
     """
 
-    def __init__(self, capacity: Capacity, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, capacity: Capacity, num_qo_heads: int, head_programs: int, head_dim: int,
                  device: torch.device, host_staging: bool | None = None, head_dim_vo: int | None = None):
         device = canonical_device(device)
         self.capacity = capacity
-        self.shape_key = (num_qo_heads, num_kv_heads, head_dim, head_dim_vo, device)
+        self.shape_key = (num_qo_heads, head_programs, head_dim, head_dim_vo, device)
         self.offsets = {}
         at = 0
         for name, size in capacity.section_sizes(num_qo_heads, head_dim).items():
@@ -257,7 +258,7 @@ class PlanBuffers(PlanSections):
         self.part_lse = torch.empty((rows, num_qo_heads), dtype=torch.float32, device=device)
         # Merge counters for the first and the second launch, merge flags, item flags (executor.py, REDO).
         self.merge_rows = capacity.merges
-        self.sync = torch.zeros((3 * capacity.merges + capacity.items, num_kv_heads), dtype=torch.int32,
+        self.sync = torch.zeros((3 * capacity.merges + capacity.items, head_programs), dtype=torch.int32,
                                 device=device)
         # Stands in for lse when the caller wants none: a launch always gets a tensor there.
         self.no_lse = torch.empty((1, 1), dtype=torch.float32, device=device)
@@ -305,8 +306,8 @@ class PlanBuffers(PlanSections):
     def workspace_bytes(self) -> int:
         return (self.part_o.numel() + self.part_lse.numel()) * 4
 
-    def fits(self, need: Capacity, num_qo_heads, num_kv_heads, head_dim, device, head_dim_vo=None) -> bool:
-        return (self.shape_key == (num_qo_heads, num_kv_heads, head_dim, head_dim_vo, device)
+    def fits(self, need: Capacity, num_qo_heads, head_programs, head_dim, device, head_dim_vo=None) -> bool:
+        return (self.shape_key == (num_qo_heads, head_programs, head_dim, head_dim_vo, device)
                 and self.capacity.fits(need))
 
     def used_bytes(self, layout) -> tuple:

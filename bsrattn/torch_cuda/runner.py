@@ -2,7 +2,7 @@
 
 ``make_runner(spec, work_plan, previous)`` writes the plan into device buffers — ``previous``'s, in place,
 when they are large enough — so a CUDA graph captured around ``run`` replays the new plan: the launch grid
-(``num_ctas x num_kv_heads``), the buffer addresses, the workspace offsets and every scalar argument stay
+(``num_ctas x num_kv_heads x head groups``), the buffer addresses, the workspace offsets and every scalar argument stay
 the same. What a graph does record, and what must therefore not change between the plans it replays:
 the launch configuration (:class:`~bsrattn.torch_cuda.config.LaunchConfig`: tile sizes from ``tile_q``,
 the variant, dtypes, the KV view) and the tensors passed to ``run``. A re-plan over buffers that a launch
@@ -61,7 +61,8 @@ class Runner:
         check_interpretable("q", TORCH_DTYPES.get(spec.q_dtype))  # before any buffer is allocated
         rope = spec.variant.use_rope
         need = Capacity.needed(work_plan, spec.layout, rope)
-        shape = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, device)
+        self.head_groups = config.head_groups(spec)  # as config.plan_options chose them for work_plan
+        shape = (spec.num_qo_heads, spec.num_kv_heads * self.head_groups, spec.head_dim, device)
         if spare is not None and spare.fits(need, *shape, head_dim_vo=spec.head_dim_vo):
             buffers = spare
         else:
@@ -102,14 +103,16 @@ class Runner:
         with ``v`` the first columns of ``k`` or not (:attr:`LaunchConfig.value_in_key`)."""
         key = (q_dtype, kv_view, store_lse, prior, value_in_key)
         if key not in self._configs:
-            spec, variant = self.spec, self.spec.variant
-            busy = int(np.count_nonzero(np.diff(self.work_plan.cta_indptr))) * spec.num_kv_heads  # programs with work
+            spec, variant, groups = self.spec, self.spec.variant, self.head_groups
+            group = spec.group_size // groups  # the query heads of a tile's query row
+            programs = int(np.count_nonzero(np.diff(self.work_plan.cta_indptr))) * spec.num_kv_heads * groups
             # Through the module: benchmarks/tune.py sweeps its choices.
-            t = config.tiles(block_m(self.work_plan.tile_q, spec.group_size), spec.head_dim, q_dtype,
-                             few_items=busy < num_sms(self.device), head_dim_vo=spec.head_dim_vo,
+            t = config.tiles(block_m(self.work_plan.tile_q, group), spec.head_dim, q_dtype,
+                             few_items=programs < num_sms(self.device), head_dim_vo=spec.head_dim_vo,
                              value_in_key=value_in_key)
             self._configs[key] = LaunchConfig(
                 num_ctas=self.work_plan.num_ctas, num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
+                head_groups=groups,
                 head_dim=spec.head_dim, head_dim_vo=spec.dim_vo, block_size=spec.layout.block_size,
                 block_m=t.block_m, block_n=t.block_n,
                 block_d=block_d(spec.dim_vo if value_in_key else spec.head_dim), block_dv=block_d(spec.dim_vo),
@@ -120,7 +123,7 @@ class Runner:
                 store_lse=store_lse, affine_rows=self.affine_rows,
                 merges=self.work_plan.num_merges > 0 or spec.split_size is not None or spec.cuda_graph,
                 item_kernel=0 if spec.cuda_graph or value_in_key else config.item_kernel_for(
-                    spec, self.work_plan, q_dtype, self.affine_rows),
+                    spec, self.work_plan, q_dtype, self.affine_rows, group),
                 split_size=spec.split_size or 0, prior=prior)
         return self._configs[key]
 
