@@ -250,24 +250,24 @@ def test_a_split_prefill_tile_reads_more_kv_than_its_partial_states(heads, dims,
     assert inner.min() * (head_dim + dim_vo) * 2 >= rows * dim_vo * 4
 
 
-@pytest.mark.parametrize("variant", [ba.Variant(causal=True, alibi_slopes=[0.5 ** i for i in range(1, 33)]),
+@pytest.mark.parametrize("variant", [ba.Variant(causal=True, alibi_slopes=[0.5 ** (i / 20) for i in range(1, 161)]),
                                      ba.Variant(logits_soft_cap=2.0)], ids=["causal, ALiBi", "soft cap"])
 @pytest.mark.parametrize("split", [dict(num_ctas=2, fixed_split_size=24), dict(deterministic=True, split_size=64)],
                          ids=["split rows", "deterministic"])
 def test_a_gqa_group_too_tall_for_a_decode_tile_runs_in_head_groups(variant, split):
-    """A decode step whose rows of a KV head's query heads overflow one decode tile (here 8 speculative rows x 16
-    heads a KV head, 128 rows) runs its heads in groups (``config.head_groups``: 2 groups of 8 heads, 64 rows), each
-    group's programs reading the KV head's tiles on their own, splitting and merging rows, and redoing masked rows,
-    apart. Every head answers as the reference does, by the head its ALiBi slope marks; the counters and flags are
-    back at zero after each call."""
+    """A decode step whose KV heads each hold more query heads than one decode tile has rows (here 80 a KV head,
+    over 2 speculative rows: 160 rows, against 64) runs them in head groups (``config.head_groups``: 4 groups of 20
+    heads, 40 rows), each group's programs reading the KV head's tiles on their own, splitting and merging rows,
+    and redoing masked rows, apart. Every head answers as the reference does, by the head its ALiBi slope marks;
+    the counters and flags are back at zero after each call."""
     rng = np.random.default_rng(33)
-    problem = paged_problem(variant, hq=32, hkv=2, **scattered(rng, (8, 3, 1), (150, 12, 70)))
+    problem = paged_problem(variant, hq=160, hkv=2, **scattered(rng, (2, 1, 1), (150, 12, 70)))
     run, attn = _batch(problem, torch.float16, **split)
     for _ in range(2):
         check_attention(run, problem, "float16", name=f"head groups, {split}")
         runner = attn._runners[0]
         config = runner.launch_config("float16", "NHD", True)
-        assert (runner.head_groups, config.head_programs, config.tile_group) == (2, 4, 8), config
+        assert (runner.head_groups, config.head_programs, config.tile_group) == (4, 8, 20), config
         assert runner.work_plan.num_merges > 0 or split.get("deterministic"), "the case must split rows"
         assert not runner.buffers.sync.any(), "a merge counter or flag left behind"
 
