@@ -175,6 +175,8 @@ def head_groups(spec) -> int:
     folded by one program); as 4 groups it plans as a decode, whose groups stream the same keys side by side and
     fold their states apart. A block row taller than a tile even at one head a group keeps one group."""
     group = spec.group_size
+    if group <= DECODE_ROWS // 2:  # every decode tile :func:`tiles` gives holds as many rows (plan() host time)
+        return 1
     rows = tiles(DECODE_ROWS, spec.head_dim, spec.q_dtype, head_dim_vo=spec.head_dim_vo).block_m
     if group <= rows:
         return 1
