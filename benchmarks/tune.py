@@ -35,14 +35,15 @@ PREFILL = [dict(kernel=kernel, block_m=128, block_n=n, warps=8, stages=stages, c
                                      ("items", 64, 3), ("items", 128, 3))]
 """Prefill points: the persistent kernel, and the item kernel (``item_kernel.py``) reading affine rows with gathered
 loads or, as shipped, through tensor descriptors."""
-MLA = [dict(max_rows=rows, block_n=n, warps=8, stages=stages, ctas_per_sm=ctas, min_split=split)
-       for rows, n, stages, ctas, split in ((32, 16, 2, 2, 256), (32, 16, 2, 1, 256), (32, 16, 2, 2, 128),
-                                            (32, 16, 3, 2, 256), (32, 32, 2, 2, 256), (64, 16, 2, 2, 256),
-                                            (64, 32, 2, 2, 256), (64, 64, 2, 2, 256))]
-"""MLA decode points (128 heads over one latent head, run in head groups of a tile's rows: ``config.head_groups``):
-the shipped 32 x 16 tile, which compiles for sm_90 without spilling, on one or two CTAs an SM, with shorter chunks
-and a deeper pipeline, and the larger tiles that spill (``benchmarks/NOTES.md``, MLA decode); 64 rows (2 head
-groups) reach ``wgmma``."""
+MLA = [dict(max_rows=rows, block_n=n, warps=8, stages=stages, ctas_per_sm=ctas, min_split=split, decode_rows=group)
+       for rows, n, stages, ctas, split, group in (
+           (32, 16, 2, 2, 256, 64), (32, 16, 2, 1, 256, 64), (32, 16, 2, 2, 128, 64), (32, 16, 3, 2, 256, 64),
+           (32, 16, 2, 2, 256, 32), (32, 32, 2, 2, 256, 64), (64, 16, 2, 2, 256, 64), (64, 32, 2, 2, 256, 64),
+           (64, 64, 2, 2, 256, 64))]
+"""MLA decode points (128 heads over one latent head, run in head groups of ``decode_rows`` heads:
+``config.head_groups``): the shipped 32 x 16 tile, which compiles for sm_90 without spilling, on one or two CTAs an
+SM, with shorter chunks, a deeper pipeline and groups of 32 heads (one sub-tile a group, which spills a little),
+and the larger tiles that spill (``benchmarks/NOTES.md``, MLA decode); 64 rows reach ``wgmma``."""
 CASES = {
     "w1": [("decode", f"W1 quest {n}/{b}", lambda s, n=n, b=b: w1.make_case(s, n, b, w1.GPU_SHAPE))
            for n, b in ((32768, 64), (32768, 512))],
@@ -69,16 +70,19 @@ DRY_CASES = [("decode", "W1 dry", lambda s: w1.make_case(s, 256, 8, w1.DRY_SHAPE
 
 
 @contextlib.contextmanager
-def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=None, kernel=None, max_rows=None):
+def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=None, kernel=None, max_rows=None,
+          decode_rows=None):
     """Set the tier's tile and schedule choices for ``kind`` ("decode", "prefill" or "mla", which plans as a decode),
-    restored on exit; ``max_rows`` caps the tile's rows below the plan's (and so sets MLA's head groups)."""
+    restored on exit; ``max_rows`` caps the tile's rows below the plan's (an item loops over row sub-tiles), and
+    ``decode_rows`` sets ``config.DECODE_ROWS`` (MLA's head groups hold that many heads)."""
     saved = (cfg.tiles, dict(cfg.CTAS_PER_SM), cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M, cfg.item_kernel_for,
-             item_kernel.tma_ready)
+             item_kernel.tma_ready, cfg.DECODE_ROWS)
     cfg.tiles = lambda m, head_dim, dtype, few_items=False, **widths: cfg.Tiles(min(m, max_rows or m), block_n, warps,
                                                                                 stages)
     cfg.CTAS_PER_SM["prefill" if kind == "prefill" else "decode"] = ctas_per_sm
     cfg.DECODE_MIN_SPLIT = min_split or cfg.DECODE_MIN_SPLIT
     cfg.PREFILL_BLOCK_M = block_m or cfg.PREFILL_BLOCK_M
+    cfg.DECODE_ROWS = decode_rows or cfg.DECODE_ROWS
     if kernel == "persistent":
         cfg.item_kernel_for = lambda *args: 0
     elif kernel == "items, gathered":
@@ -87,7 +91,7 @@ def knobs(kind, block_n, warps, stages, ctas_per_sm, min_split=None, block_m=Non
         yield
     finally:
         cfg.tiles, cfg.DECODE_MIN_SPLIT, cfg.PREFILL_BLOCK_M, cfg.item_kernel_for = saved[0], *saved[2:5]
-        item_kernel.tma_ready = saved[5]
+        item_kernel.tma_ready, cfg.DECODE_ROWS = saved[5:]
         cfg.CTAS_PER_SM.update(saved[1])
 
 

@@ -74,6 +74,8 @@ CONFIGS = {
                                                            dict(head_dim_vo=512)),
     "MLA decode bf16, DeepSeek's 576 / 512, G128, page 64, the value read from the key": (
         "bfloat16", "bfloat16", 576, 128, 1, "NHD", 64, dict(head_dim_vo=512, value_in_key=True)),
+    "MLA decode bf16, DeepSeek's 576 / 512, G128 in 2 head groups, page 64, the value read from the key": (
+        "bfloat16", "bfloat16", 576, 128, 1, "NHD", 64, dict(head_dim_vo=512, value_in_key=True, head_groups=2)),
     "MLA decode bf16 + fp8-e4m3 cache, DeepSeek's 576 / 512, G128, page 1, the value read from the key": (
         "bfloat16", "float8_e4m3fn", 576, 128, 1, "NHD3", 1, dict(head_dim_vo=512, value_in_key=True)),
     "MLA speculative rows fp16, causal, head_dim 24 / dim_vo 16, G8, the value read from the key": (
@@ -128,14 +130,14 @@ def _attention_launch(q_dtype, kv_dtype, head_dim, group_size, tile_q, view, blo
         store_lse=flags.get("store_lse", not flags.get("sigmoid")), affine_rows=flags.get("affine_rows", True),
         merges=flags.get("merges", True), split_size=1024 if flags.get("deterministic") else 0,
         item_kernel={None: 0, "items": cfg.ITEM_KERNEL, "tma": cfg.ITEM_KERNEL_TMA}[flags.get("item_kernel")],
-        prior=flags.get("prior", False))
+        prior=flags.get("prior", False), head_groups=flags.get("head_groups", 1))
     kv_shape = {"NHD": (blocks, block_size, hkv, head_dim), "HND": (blocks, hkv, block_size, head_dim),
                 "NHD3": (blocks, hkv, head_dim)}[view]
     q = torch.empty((32, hq, head_dim), dtype=getattr(torch, q_dtype))
     k, v = (torch.empty(kv_shape, dtype=getattr(torch, kv_dtype)) for _ in range(2))
     if "head_dim_vo" in flags:
         v = k[..., :dim_vo]
-    buffers = PlanBuffers(Capacity(4, 64, 16, 64, 64, 256, 64), hq, hkv, head_dim, torch.device("cpu"),
+    buffers = PlanBuffers(Capacity(4, 64, 16, 64, 64, 256, 64), hq, config.head_programs, head_dim, torch.device("cpu"),
                           head_dim_vo=flags.get("head_dim_vo"))
     lse = torch.empty((32, hq)) if config.store_lse else buffers.no_lse
     scalars = cfg.Scalars(0.088, 1.0, 30.0, 0.0)
@@ -310,7 +312,8 @@ def test_attention_kernel_compiles_for_sm90():
     for name in ("prefill bf16, ragged 3-D, causal, M128, a plan without merges",
                  "prefill bf16, ragged 3-D, causal, the item kernel",
                  "prefill bf16, ragged 3-D, causal, the item kernel with tensor descriptors",
-                 "MLA decode bf16, DeepSeek's 576 / 512, G128, page 64, the value read from the key"):
+                 "MLA decode bf16, DeepSeek's 576 / 512, G128, page 64, the value read from the key",
+                 "MLA decode bf16, DeepSeek's 576 / 512, G128 in 2 head groups, page 64, the value read from the key"):
         if "stack" in results[name]:
             assert results[name]["stack"] == 0, (name, results[name])
 

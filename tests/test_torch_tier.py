@@ -226,7 +226,7 @@ def test_plan_options_pick_decode_and_prefill_tiles():
 
 
 @pytest.mark.parametrize("heads, dims, qo_len, kv_len", [
-    ((128, 1), (576, 512), 64, 4096),  # MLA prefill at DeepSeek-V3's widths: a tile of one query's 128 heads
+    ((128, 1), (576, 512), 80, 4096),  # MLA prefill at DeepSeek-V3's widths: a tile of one query's 128 heads
     ((32, 8), (128, 128), 32, 4096),  # a chunk of prefill over a long cache
 ])
 def test_a_split_prefill_tile_reads_more_kv_than_its_partial_states(heads, dims, qo_len, kv_len, monkeypatch):

@@ -168,21 +168,19 @@ def num_sms(device=None) -> int:
 def head_groups(spec) -> int:
     """How many groups a KV head's query heads run in, each group's programs reading the KV head's tiles on their
     own (the launch grid's second dimension is ``num_kv_heads x head_groups``): 1, unless the GQA group alone, one
-    query row's heads, overflows a decode tile (:data:`DECODE_ROWS` rows, or the fewer :func:`tiles` gives wide
-    heads). Then the fewest groups whose rows, over the step's tallest block row, fit one tile: multi-head latent
-    attention's 128 query heads over one latent head, 576 wide, decode as 4 groups of 32. As one tile of 128 rows
-    such a step would plan as a prefill (4 sub-tiles streaming each item's keys in turn, its split rows' states
-    folded by one program); as 4 groups it plans as a decode, whose groups stream the same keys side by side and
-    fold their states apart. A block row taller than a tile even at one head a group keeps one group."""
+    query row's heads, is taller than a decode tile's :data:`DECODE_ROWS`. Then the fewest groups whose rows, over
+    the step's tallest block row, fit :data:`DECODE_ROWS`: multi-head latent attention's 128 query heads over one
+    latent head decode as 2 groups of 64 (each run as two 32-row sub-tiles: a group of 32 heads, one sub-tile,
+    compiles for sm_90 into more registers, 255 and 48 bytes of stack against 192 and none). As one tile of 128
+    rows such a step would plan as a prefill (its row at batch 1 cut into chunks whose many partial states one
+    program folds); as groups it plans as a decode, whose groups stream the same keys side by side and fold their
+    states apart. A block row taller than a tile even at one head a group keeps one group."""
     group = spec.group_size
-    if group <= DECODE_ROWS // 2:  # every decode tile :func:`tiles` gives holds as many rows (plan() host time)
-        return 1
-    rows = tiles(DECODE_ROWS, spec.head_dim, spec.q_dtype, head_dim_vo=spec.head_dim_vo).block_m
-    if group <= rows:
+    if group <= DECODE_ROWS:
         return 1
     qo = spec.layout.qo_lens
     tallest = int(qo.max()) if qo.size else 1
-    return next((n for n in range(2, group + 1) if group % n == 0 and tallest * (group // n) <= rows), 1)
+    return next((n for n in range(2, group + 1) if group % n == 0 and tallest * (group // n) <= DECODE_ROWS), 1)
 
 
 def plan_options(spec, device=None) -> dict:
