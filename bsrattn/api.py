@@ -315,8 +315,9 @@ class BatchAttention:
         """Compute the :class:`~bsrattn.scheduler.WorkPlan` for ``layout`` and bind it to this object.
 
         ``num_ctas`` counts CTAs **per KV head**, not in all: every KV head runs the same plan on its own
-        ``num_ctas`` CTAs, so a launch is ``num_ctas x num_kv_heads`` CTAs. The default is the tier's (one wave
-        of the GPU, with the tier's minimum chunk and chunk alignment); a given ``num_ctas`` plans Algorithm 1
+        ``num_ctas`` CTAs, so a launch is ``num_ctas x num_kv_heads`` CTAs (on the GPU tiers, times the head groups a
+        KV head's query heads run in where they overflow one tile: MLA's 128 heads). The default is the tier's (one
+        wave of the GPU, with the tier's minimum chunk and chunk alignment); a given ``num_ctas`` plans Algorithm 1
         exactly at that count, with chunks of ``L_kv`` slots. ``fixed_split_size`` fixes the KV chunk size (batch
         invariance); ``disable_split_kv`` gives each query tile one item.
         Calling ``plan`` again refills the tier's buffers in place where it can (CUDA-graph replay).

@@ -219,7 +219,7 @@ def plan_options(spec, device=None) -> dict:
     tile_q = max(1, m // group)
     # As many query tiles as CTAs or more: every CTA has whole tiles to run, so no row is split (a chunk as long
     # as the longest row), and the kernel carries no merges (LaunchConfig.merges). Fewer tiles (a short prefill
-    # over a long cache, or MLA's decode, whose one latent head gives a tile of every query head): the rows are
+    # over a long cache, or an MLA prefill, whose one latent head gives a tile of every query head): the rows are
     # split so that every CTA streams, in chunks that outweigh their partial states (split_keys).
     query_tiles = int(np.sum(ceil_div(qo, tile_q)))
     min_split = int(spec.layout.kv_lens.max(initial=1)) if query_tiles >= ctas else split_keys(spec, tile_q)

@@ -16,8 +16,9 @@ land folds them in the plan's order (:func:`~bsrattn.torch_cuda.merge.last_to_ar
 Program ``(w, h)`` runs item ``w`` for head group ``h`` (the persistent kernel's) and stops. The launch is
 ``capacity x head_programs`` programs, the buffers' item capacity (fixed while re-plans fit the buffers, so a
 captured CUDA graph replays any of them); the programs past the plan's items return at once. The hardware starts
-each program as an SM frees up, which evens out the causal triangle's unequal tiles as they run. The tile loop is the microkernel's
-(:func:`~bsrattn.torch_cuda.microkernel.attend_range`: tiles wholly below the diagonal run without masks). Its
+each program as an SM frees up, which evens out the causal triangle's unequal tiles as they run. The tile loop is
+the microkernel's (:func:`~bsrattn.torch_cuda.microkernel.attend_range`: tiles wholly below the diagonal run without
+masks). Its
 runtime arguments are the persistent kernel's (:data:`~bsrattn.torch_cuda.kernel_args.RUNTIME_ARGS`), so one
 launcher call serves both.
 

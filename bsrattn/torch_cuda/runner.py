@@ -2,8 +2,8 @@
 
 ``make_runner(spec, work_plan, previous)`` writes the plan into device buffers — ``previous``'s, in place,
 when they are large enough — so a CUDA graph captured around ``run`` replays the new plan: the launch grid
-(``num_ctas x num_kv_heads x head groups``), the buffer addresses, the workspace offsets and every scalar argument stay
-the same. What a graph does record, and what must therefore not change between the plans it replays:
+(``num_ctas x num_kv_heads x head groups``), the buffer addresses, the workspace offsets and every scalar argument
+stay the same. What a graph does record, and what must therefore not change between the plans it replays:
 the launch configuration (:class:`~bsrattn.torch_cuda.config.LaunchConfig`: tile sizes from ``tile_q``,
 the variant, dtypes, the KV view) and the tensors passed to ``run``. A re-plan over buffers that a launch
 inside a graph capture used warns when it changes the variant, the block size or whether a custom mask is
