@@ -187,8 +187,7 @@ class PagedKVCache:
 
     def _at(self, slots: torch.Tensor) -> tuple:
         """The index of ``slots`` in a layer's pool: its ``[n, num_kv_heads, head_dim]`` elements."""
-        page, offset = slots // self.page_size, slots % self.page_size
-        return (page, offset) if self.kv_layout == "NHD" else (page, slice(None), offset)
+        return _index(slots // self.page_size, slots % self.page_size, self.kv_layout == "HND")
 
     def keep(self, request: Hashable, start: int, offsets: Sequence[int]) -> None:
         """Keep, of ``request``'s tokens from ``start`` on, those at ``start + offsets[j]`` as its tokens ``start +
@@ -347,12 +346,15 @@ class PagedKVCache:
                                      self.page_size, self.num_pages)
 
 
+def _index(page, offset, hnd) -> tuple:
+    """The index of slots ``(page, offset)`` in a layer's pool, ``[pages, page_size, H, D]`` or, with ``hnd``,
+    ``[pages, H, page_size, D]``: their ``[n, num_kv_heads, head_dim]`` elements."""
+    return (page, slice(None), offset) if hnd else (page, offset)
+
+
 def _store(pool, layer, page, offset, x, hnd):
     """``pool[layer]``'s slots ``(page, offset)`` set to ``x [n, num_kv_heads, head_dim]``."""
-    if hnd:
-        pool[layer, page, :, offset] = x
-    else:
-        pool[layer, page, offset] = x
+    pool[(layer, *_index(page, offset, hnd))] = x
 
 
 @torch.library.custom_op("bsrattn::paged_kv_write", mutates_args=("pool",))
