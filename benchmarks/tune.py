@@ -37,13 +37,12 @@ PREFILL = [dict(kernel=kernel, block_m=128, block_n=n, warps=8, stages=stages, c
 loads or, as shipped, through tensor descriptors."""
 MLA = [dict(max_rows=rows, block_n=n, warps=8, stages=stages, ctas_per_sm=ctas, min_split=split, decode_rows=group)
        for rows, n, stages, ctas, split, group in (
-           (32, 16, 2, 2, 256, 64), (32, 16, 2, 1, 256, 64), (32, 16, 2, 2, 128, 64), (32, 16, 3, 2, 256, 64),
-           (32, 16, 2, 2, 256, 32), (32, 32, 2, 2, 256, 64), (64, 16, 2, 2, 256, 64), (64, 32, 2, 2, 256, 64),
-           (64, 64, 2, 2, 256, 64))]
+           (64, 64, 2, 2, 256, 64), (64, 64, 2, 1, 256, 64), (64, 64, 2, 2, 128, 64), (64, 64, 2, 2, 512, 64),
+           (64, 32, 2, 2, 256, 64), (32, 16, 2, 2, 256, 64), (32, 16, 2, 2, 256, 32), (32, 64, 2, 2, 256, 32))]
 """MLA decode points (128 heads over one latent head, run in head groups of ``decode_rows`` heads:
-``config.head_groups``): the shipped 32 x 16 tile, which compiles for sm_90 without spilling, on one or two CTAs an
-SM, with shorter chunks, a deeper pipeline and groups of 32 heads (one sub-tile a group, which spills a little),
-and the larger tiles that spill (``benchmarks/NOTES.md``, MLA decode); 64 rows reach ``wgmma``."""
+``config.head_groups``): the shipped 64 x 64 tile (``wgmma``, which spills) on one or two CTAs an SM, with shorter
+and longer chunks; a 64 x 32 tile; the 32 x 16 ``mma.sync`` tile that spills nothing, in groups of 64 and of 32
+heads (the fastest at batch 1); and groups of 32 heads on 32 x 64 tiles (``benchmarks/NOTES.md``, MLA decode)."""
 CASES = {
     "w1": [("decode", f"W1 quest {n}/{b}", lambda s, n=n, b=b: w1.make_case(s, n, b, w1.GPU_SHAPE))
            for n, b in ((32768, 64), (32768, 512))],

@@ -133,12 +133,13 @@ def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False, head_dim_v
     (multi-head latent attention's 576-wide key, a 1024 tile, beside its 512-wide value), 32 x 16 tiles keep ``q`` and
     two stages of K and V inside it (the sm_90 compile check). With ``value_in_key`` (``LaunchConfig.value_in_key``:
     the V tile is the K tile's first part) over 512 wide in all, MLA's 512 + 64, the accumulator and the query's
-    first part fill the registers: 32 x 16 tiles on 8 warps compile without spilling (64 rows spill at 8 warps and
-    at 16), where the 1024-wide key of the other path spills at every shape.
+    first part fill the registers: 64 x 64 tiles on 8 warps, whose products are ``wgmma``, spill 1.2-1.9 KiB a
+    thread (loop-invariant operand descriptors, reloaded from L1) and ran 1.3-2.3x faster on an H100 than the
+    32 x 16 ``mma.sync`` tile that spills nothing (W11's batch 1, 32 and 128).
     """
     block_dv = block_d(head_dim if head_dim_vo is None else head_dim_vo)
     if value_in_key and block_dv + block_d(head_dim - head_dim_vo) > 512:
-        return Tiles(block_m=min(m, 32), block_n=16, num_warps=8, num_stages=2)
+        return Tiles(block_m=min(m, 64), block_n=64, num_warps=8, num_stages=2)
     if block_d(head_dim) + block_dv > 1024:
         return Tiles(block_m=min(m, 32), block_n=16, num_warps=4, num_stages=2)
     if max(block_d(head_dim), block_dv) > 128 or dtype == "float32":
@@ -170,8 +171,8 @@ def head_groups(spec) -> int:
     own (the launch grid's second dimension is ``num_kv_heads x head_groups``): 1, unless the GQA group alone, one
     query row's heads, is taller than a decode tile's :data:`DECODE_ROWS`. Then the fewest groups whose rows, over
     the step's tallest block row, fit :data:`DECODE_ROWS`: multi-head latent attention's 128 query heads over one
-    latent head decode as 2 groups of 64 (each run as two 32-row sub-tiles: a group of 32 heads, one sub-tile,
-    compiles for sm_90 into more registers, 255 and 48 bytes of stack against 192 and none). As one tile of 128
+    latent head decode as 2 groups of 64, each one 64-row tile (:func:`tiles`; groups of 32 heads on 32-row tiles
+    ran faster at batch 1 and 2.2x slower at batch 32, ``benchmarks/NOTES.md``). As one tile of 128
     rows such a step would plan as a prefill (its row at batch 1 cut into chunks whose many partial states one
     program folds); as groups it plans as a decode, whose groups stream the same keys side by side and fold their
     states apart. A block row taller than a tile even at one head a group keeps one group."""
