@@ -313,8 +313,8 @@ def test_attention_kernel_compiles_for_sm90():
         if "stack" in results[name]:
             assert results[name]["stack"] == 0, (name, results[name])
     # MLA's decode with the value read from the key runs 64 x 64 tiles on wgmma, which spill (1.2-1.9 KiB a thread
-    # on Triton 3.6 and 3.9: the score products' loop-invariant operand descriptors, reloaded from L1) and still ran
-    # 1.3-2.3x faster than the 32 x 16 mma.sync tile that spills nothing (benchmarks/NOTES.md, W11): held to that.
+    # on Triton 3.6 and 3.9: the score products' loop-invariant operand descriptors, reloaded from L1) and are still
+    # faster than the 32 x 16 mma.sync tile that spills nothing (benchmarks/NOTES.md, W11): held to that.
     for name in ("MLA decode bf16, DeepSeek's 576 / 512, G128, page 64, the value read from the key",
                  "MLA decode bf16, DeepSeek's 576 / 512, G128 in 2 head groups, page 64, the value read from the key"):
         if "stack" in results[name]:

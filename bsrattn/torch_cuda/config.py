@@ -134,8 +134,8 @@ def tiles(m: int, head_dim: int, dtype: str, few_items: bool = False, head_dim_v
     two stages of K and V inside it (the sm_90 compile check). With ``value_in_key`` (``LaunchConfig.value_in_key``:
     the V tile is the K tile's first part) over 512 wide in all, MLA's 512 + 64, the accumulator and the query's
     first part fill the registers: 64 x 64 tiles on 8 warps, whose products are ``wgmma``, spill 1.2-1.9 KiB a
-    thread (loop-invariant operand descriptors, reloaded from L1) and ran 1.3-2.3x faster on an H100 than the
-    32 x 16 ``mma.sync`` tile that spills nothing (W11's batch 1, 32 and 128).
+    thread (loop-invariant operand descriptors, reloaded from L1) and are still faster than the 32 x 16
+    ``mma.sync`` tile that spills nothing, at every batch W11 times.
     """
     block_dv = block_d(head_dim if head_dim_vo is None else head_dim_vo)
     if value_in_key and block_dv + block_d(head_dim - head_dim_vo) > 512:
@@ -172,7 +172,7 @@ def head_groups(spec) -> int:
     query row's heads, is taller than a decode tile's :data:`DECODE_ROWS`. Then the fewest groups whose rows, over
     the step's tallest block row, fit :data:`DECODE_ROWS`: multi-head latent attention's 128 query heads over one
     latent head decode as 2 groups of 64, each one 64-row tile (:func:`tiles`; groups of 32 heads on 32-row tiles
-    ran faster at batch 1 and 2.2x slower at batch 32, ``benchmarks/NOTES.md``). As one tile of 128
+    are faster at batch 1 and slower from batch 32, ``benchmarks/NOTES.md``). As one tile of 128
     rows such a step would plan as a prefill (its row at batch 1 cut into chunks whose many partial states one
     program folds); as groups it plans as a decode, whose groups stream the same keys side by side and fold their
     states apart. A block row taller than a tile even at one head a group keeps one group."""
