@@ -21,6 +21,8 @@ Implementations, each checked against the float64 reference, then timed in graph
   with ``backend="fa2"`` / ``"fa3"``.
 - ``sdpa``: PyTorch's default SDPA (cuDNN / flash) batched when the lengths are equal, else one call per request
   (outputs concatenated, timed).
+- ``bsrattn-gluon-ws`` (ragged rows, on sm_90): the warp-specialised Gluon kernel of ``gluon_prefill.py``, called
+  directly (not yet behind ``BatchAttention``): the next rung of the torch tier's prefill.
 - Shared prefix: ``bsrattn-torch-cascade`` (the cascade) and ``bsrattn-torch`` (the paged layout);
   ``flashinfer-cascade-fa2`` (two fa2 paged prefill wrappers and ``merge_state_in_place``, W5's) and
   ``flashinfer-fa2``/``-fa3`` on the paged layout.
@@ -217,6 +219,19 @@ def build_flashinfer(case, backend: str):
     return lambda: wrapper.run(case.q, (case.k, case.v), out=case.out)
 
 
+def build_gluon(case):
+    """The standalone warp-specialised Gluon kernel (``gluon_prefill.py``) on a ragged case."""
+    import torch
+
+    from benchmarks import gluon_prefill
+
+    reason = gluon_prefill.unavailable(case.q.device)
+    if reason:
+        raise harness.Unavailable(reason)
+    tiles = torch.as_tensor(gluon_prefill.tile_table(case.lens, causal=True), device=case.q.device)
+    return lambda: gluon_prefill.prefill(case.q, case.k, case.v, case.lens, causal=True, tiles=tiles, out=case.out)[0]
+
+
 def build_sdpa(case):
     """Batched SDPA for equal lengths (views, no copy); one call per request otherwise."""
     import torch
@@ -277,6 +292,9 @@ def run(suite) -> None:
                                     case.k, case.v, plan=dict(plan, deterministic=True), out=case.out,
                                     **case.check_args())
             suite.measure(config, "sdpa", partial(build_sdpa, case), view=_sdpa_view(case), **case.check_args())
+            if tier == "torch":
+                suite.measure(config, "bsrattn-gluon-ws", partial(build_gluon, case), out=case.out, needs_cuda=True,
+                              **case.check_args())
         del case
 
 
