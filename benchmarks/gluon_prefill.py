@@ -101,6 +101,15 @@ if _MISSING is None:
         return gl.where(visible, sc, float("-inf"))
 
     @gluon.jit
+    def _softmax_step(sc, m_i, l_i, qk_scale):
+        """The online softmax's step over one tile's scores: ``(p, alpha, m_new, l_new)``, ``p`` the tile's weights
+        at the new running maximum and ``alpha`` the factor that brings the old state to it."""
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
+        p = gl.exp2(sc * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
     def _consumer(out_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, tiles, num_qo_heads, qk_scale,
                   CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                   NUM_STAGES: gl.constexpr, PIPE: gl.constexpr, CONSUMER: gl.constexpr):
@@ -145,10 +154,7 @@ if _MISSING is None:
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
                 if j >= n_free:
                     sc = _mask(sc, j, q_rows, seqlen, BN, CAUSAL, s_cols)
-                m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-                p = gl.exp2(sc * qk_scale - m_new[:, None])
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, axis=1)
+                p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i, qk_scale)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -177,10 +183,7 @@ if _MISSING is None:
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
                 if j >= n_free:
                     sc = _mask(sc, j, q_rows, seqlen, BN, CAUSAL, s_cols)
-                m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-                p = gl.exp2(sc * qk_scale - m_new[:, None])
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, axis=1)
+                p, alpha, m_new, l_i = _softmax_step(sc, m_i, l_i, qk_scale)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]  # after P V(j-1), which was at the old max
