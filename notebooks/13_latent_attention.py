@@ -275,10 +275,13 @@ else:
 # %% [markdown]
 # From batch 32 up the work is past the ridge and the bound is the FLOPs: FlashInfer's kernel runs at several
 # hundred TFLOP/s, a large fraction of the matrix-multiply rate, while bsrattn's torch tier runs at a tenth of that.
-# Its tile is 32 heads x 16 keys, the largest that compiles without spilling beside a 512-wide float32 accumulator in
-# Triton's tile dialect, too few rows for Hopper's warpgroup matrix multiply, which FlashInfer's kernel uses on
-# 64-head tiles with the accumulator split between two warpgroups. The layout, the plan and the merge are the same
-# for both; what separates them is the microkernel, the one part of the design that is specific to the hardware.
+# The run above used a tile of 32 heads x 16 keys, the largest that compiles without spilling beside a 512-wide
+# float32 accumulator in Triton's tile dialect, too few rows for Hopper's warpgroup matrix multiply (`wgmma`), which
+# FlashInfer's kernel uses on 64-head tiles with the accumulator split between two warpgroups. The tier now runs
+# 64 x 64 tiles on `wgmma`: they spill a little and were still faster at every batch of a sweep on the same machine
+# (`benchmarks/NOTES.md`), about a quarter of FlashInfer's rate at batch 32 instead of a tenth. The layout, the plan
+# and the merge are the same for both; what separates them is the microkernel, the one part of the design that is
+# specific to the hardware.
 
 # %% [markdown]
 # ## One flag picks the tier
