@@ -7,10 +7,12 @@ causal mask, and writes ``out`` and the natural-log ``lse``.
 
 One CTA runs one 128-query tile of one query head, in three partitions (``gl.warp_specialize``):
 
-| partition | warps | registers | work |
-|---|---|---|---|
-| producer | 4 (the default partition) | 24 | the tile's queries, then each K and V tile, copied by the tensor-memory engine (TMA) into a ring of ``STAGES`` shared-memory slots, each slot's arrival signalled on an mbarrier |
-| two consumers | 4 each (one warpgroup) | 240 | 64 of the tile's queries each: ``S = Q K^T`` and ``O += P V`` on ``warpgroup_mma`` (asynchronous ``wgmma``), the online softmax in registers, a slot handed back to the producer once both consumers are done with it |
+- the producer (the default partition: 4 warps, 24 registers a thread) copies the tile's queries, then each K
+  and V tile, through the tensor-memory engine (TMA) into a ring of ``STAGES`` shared-memory slots, each slot's
+  arrival signalled on an mbarrier;
+- two consumers (4 warps each, one warpgroup, 240 registers a thread) take 64 of the tile's queries each:
+  ``S = Q K^T`` and ``O += P V`` on ``warpgroup_mma`` (asynchronous ``wgmma``), the online softmax in registers,
+  and a slot handed back to the producer once both consumers are done with it.
 
 The two consumers share every K and V tile and run independently, so one's softmax overlaps the other's products
 (the warp schedulers interleave them). ``PIPE=1`` adds FA3's overlap inside a warpgroup: tile ``j``'s ``Q K^T`` is

@@ -210,7 +210,8 @@ def _compile(fn, args, kwargs):
     return dict(stages=sorted(kernel.asm.keys()), shared=kernel.metadata.shared, num_stages=options.get("num_stages"),
                 async_copies=ttgir.count("async_copy_global_to_local"),
                 tensor_copies=ttgir.count("async_tma_copy_global_to_local"), fp_atomics=ttgir.count("atomic_rmw fadd"),
-                wgmma=ttgir.count("warp_group_dot "), groups_in_flight=max(waits, default=0), **_resources(kernel.asm.get("cubin")))
+                wgmma=ttgir.count("warp_group_dot "), groups_in_flight=max(waits, default=0),
+                **_resources(kernel.asm.get("cubin")))
 
 
 def _resources(cubin) -> dict:
