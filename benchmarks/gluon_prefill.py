@@ -1,6 +1,6 @@
 """A warp-specialised Hopper prefill in Gluon, standalone: the first rung of the torch tier's Hopper prefill path.
 
-W3 times it beside the torch tier's Triton path (``gluon-ws`` rows, ragged layouts only) before it moves behind
+W3 times it beside the torch tier's Triton path (``bsrattn-gluon-ws`` rows, ragged layouts only) before it moves behind
 ``BatchAttention``. It computes what :func:`bsrattn.reference.executor.execute` computes for a ragged layout whose
 every row has as many queries as keys (``qo_len == kv_len``, the prefill of fresh requests), with or without the
 causal mask, and writes ``out`` and the natural-log ``lse``.
@@ -293,12 +293,6 @@ def prefill(q, k, v, lens, *, causal: bool, sm_scale: float | None = None, pipe:
         raise ValueError(f"pipe={pipe!r} must be 0 or 1")
     if tiles is None:
         tiles = torch.as_tensor(tile_table(lens, causal), device=q.device)
-    gdtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_desc = TensorDescriptor.from_tensor(q.view(nnz, num_qo_heads * head_dim), [BLOCK_M, head_dim],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gdtype))
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype)
-    k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(nnz, num_kv_heads * head_dim), [block_n, head_dim],
-                                                   kv_layout) for x in (k, v))
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(nnz, num_qo_heads, dtype=torch.float32, device=q.device) if lse is None else lse
     if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
@@ -308,7 +302,13 @@ def prefill(q, k, v, lens, *, causal: bool, sm_scale: float | None = None, pipe:
         raise ValueError(f"lse must be a contiguous float32 tensor of shape {(nnz, num_qo_heads)}; got {lse.dtype} "
                          f"{tuple(lse.shape)}")
     scale = 1 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    if tiles.shape[0]:
+    if tiles.shape[0]:  # none for a batch of empty requests, whose arrays a descriptor cannot describe
+        gdtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+        q_desc = TensorDescriptor.from_tensor(q.view(nnz, num_qo_heads * head_dim), [BLOCK_M, head_dim],
+                                              gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gdtype))
+        kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdtype)
+        k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(nnz, num_kv_heads * head_dim), [block_n, head_dim],
+                                                       kv_layout) for x in (k, v))
         prefill_kernel[(tiles.shape[0], num_qo_heads)](
             q_desc, k_desc, v_desc, out, lse, tiles, num_qo_heads, scale * LOG2E, GROUP=num_qo_heads // num_kv_heads,
             CAUSAL=causal, BM=BLOCK_M, BN=block_n, D=head_dim, NUM_STAGES=stages, PIPE=pipe, num_warps=4)

@@ -142,5 +142,16 @@ def test_bad_arguments_are_named():
         gluon_prefill.prefill(q, k, k, [4], causal=True, pipe=2)
 
 
+def test_a_batch_of_empty_requests_launches_nothing():
+    torch = pytest.importorskip("torch")
+    reason = gluon_prefill.unavailable()
+    if reason and "Gluon" in reason:
+        pytest.skip(reason)
+    q = torch.zeros(0, 8, 64, dtype=torch.bfloat16)
+    k = torch.zeros(0, 2, 64, dtype=torch.bfloat16)
+    out, lse = gluon_prefill.prefill(q, k, k, [0, 0], causal=True)
+    assert out.shape == (0, 8, 64) and lse.shape == (0, 8)
+
+
 if __name__ == "__main__":
     print(json.dumps([_compile(*case) for case in CASES]))
