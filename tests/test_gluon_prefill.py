@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ import pytest
 import bsrattn as ba
 from benchmarks import gluon_prefill
 from helpers import assert_matches_reference
+from test_torch_compile import _resources
 
 LENGTHS = ([128], [300], [1, 129, 64, 700], [1024, 77], [0, 5, 0])
 """Requests: one whole tile, a tail tile, lengths off the tile size (a request of one query, a tile's keys
@@ -65,15 +65,7 @@ def _compile(head_dim, dtype, pipe, causal) -> dict:
     kernel = triton.compile(GluonASTSource(gluon_prefill.prefill_kernel, signature, constexprs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    stack = None
-    if os.path.exists(tool):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            dump = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        found = re.search(r"STACK:(\d+)", dump)
-        stack = int(found[1]) if found else None
+    stack = _resources(kernel.asm.get("cubin")).get("stack")
     return dict(give=re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx),
                 take=re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx),
                 products=kernel.asm["ttgir"].count("warp_group_dot "),
