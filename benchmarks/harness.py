@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import gc
+import json
 import os
 import sys
 import time
@@ -145,6 +146,11 @@ def run_script(workload: str, title: str, run, doc: str, argv=None):
     suite.finish()
 
 
+def _patterns(text):
+    """A comma-separated list of glob patterns, or None for none given."""
+    return [p.strip() for p in text.split(",")] if text else None
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     """The options every workload script takes."""
     p = argparse.ArgumentParser(description=description)
@@ -157,6 +163,9 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="seconds; configurations not started by then are recorded as skipped")
     p.add_argument("--results", type=Path, default=None, help=f"output folder (default {records.RESULTS_DIR})")
     p.add_argument("--impls", default=None, help="comma-separated glob patterns of implementations to run")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated glob patterns of configuration labels to run ('batch=32 *'); the JSON keeps "
+                        "the other configurations' records from an earlier run of the same commit on the same GPU")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -181,7 +190,8 @@ class Suite:
         self.samples = args.samples or (100 if self.quick else 300)
         self.warmup = args.warmup if args.warmup is not None else (10 if self.quick else 20)
         self.rng = np.random.default_rng(args.seed)
-        self.patterns = [p.strip() for p in args.impls.split(",")] if args.impls else None
+        self.patterns = _patterns(args.impls)
+        self.config_patterns = _patterns(getattr(args, "configs", None))
         default_dir = None if self.dry_run else records.RESULTS_DIR
         self.results_dir = args.results if args.results is not None else default_dir
         self.records: list = []
@@ -200,6 +210,7 @@ class Suite:
             torch.manual_seed(args.seed)
             self.ceilings = ceilings.measure_ceilings(reps=10 if self.quick else 20)
             self._flush = torch.empty(timing.FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        self.kept = self._earlier_records()
 
     @classmethod
     def from_argv(cls, workload: str, title: str, argv=None, *, gpu: bool = True, doc: str | None = None):
@@ -214,19 +225,43 @@ class Suite:
     def selected(self, impl: str) -> bool:
         return self.patterns is None or any(fnmatch.fnmatch(impl, p) for p in self.patterns)
 
+    def _earlier_records(self) -> list:
+        """Under ``--configs``, the records of an earlier run in this suite's JSON, when that run was of the same
+        commit on the same GPU (a workload too long for one lease, run in parts); otherwise none."""
+        path = None if self.results_dir is None else Path(self.results_dir) / f"{self.workload}.json"
+        if self.config_patterns is None or path is None or not path.exists():
+            return []
+        earlier = json.loads(path.read_text())
+        env = earlier.get("environment", {})
+        same = ("git_commit", "gpu", "git_dirty")
+        if any(env.get(key) != self.environment.get(key) for key in same) or earlier.get("quick") != self.quick:
+            print(f"{path}: an earlier run of another commit, GPU or size; its records are not kept", flush=True)
+            return []
+        return earlier["records"]
+
+    def chosen(self, config: dict) -> bool:
+        """Whether ``config`` is among the configurations ``--configs`` selects (all, without it)."""
+        label = records.config_label(config)
+        return self.config_patterns is None or any(fnmatch.fnmatch(label, p) for p in self.config_patterns)
+
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.time() > self.deadline
 
     def configs(self, items, config_of):
         """Yield ``(item, config)`` per item, ``config = config_of(item)`` being its record's configuration, with a
-        progress bar; write the JSON after each; past the time budget, record the rest as skipped (the first one
-        always runs, so every workload reports something)."""
+        progress bar; write the JSON after each; pass over those ``--configs`` does not choose; past the time budget,
+        record the rest as skipped (the first one chosen always runs, so every workload reports something)."""
         items = list(items)
         bar = Progress(len(items), self.workload)
         try:
-            for i, item in enumerate(items):
+            started = 0
+            for item in items:
                 config = config_of(item)
-                if i and self.out_of_time():
+                if not self.chosen(config):
+                    bar.update(f"{records.config_label(config)}: not chosen")
+                    continue
+                started += 1
+                if started > 1 and self.out_of_time():
                     self.records.append({"config": config, "impl": "*", "status": "skipped",
                                          "reason": "time budget spent before this configuration started"})
                     bar.update(f"{records.config_label(config)}: skipped (time budget)")
@@ -258,7 +293,11 @@ class Suite:
         return {"workload": self.workload, "title": self.title, "command": self.command, "quick": self.quick,
                 "dry_run": self.dry_run, "samples": self.samples, "warmup": self.warmup,
                 "elapsed_s": round(time.time() - self.started, 1), "environment": self.environment,
-                "ceilings": self.ceilings, "records": self.records}
+                "ceilings": self.ceilings, "records": self._earlier_kept() + self.records}
+
+    def _earlier_kept(self) -> list:
+        """The kept records of an earlier run (:meth:`_earlier_records`) of configurations this run did not choose."""
+        return [r for r in self.kept if not self.chosen(r["config"])]
 
     def write(self) -> Path | None:
         """Write ``<results>/<workload>.json`` atomically (nothing for a dry run without ``--results``)."""

@@ -194,6 +194,27 @@ def test_configurations_past_the_budget_are_recorded_as_skipped(tmp_path):
     assert "| batch=1 | 5.0 |" in text and "| batch=3 | skipped |" in text
 
 
+def test_a_workload_run_in_parts_keeps_the_earlier_parts_of_the_same_commit(tmp_path, monkeypatch):
+    def part(configs, budget=None):
+        argv = ["--dry-run", "--results", str(tmp_path), "--configs", configs]
+        suite = harness.Suite("w4_split_kv", "W4 (test)", harness.parser("t").parse_args(argv))
+        if budget is not None:
+            suite.deadline = suite.started - 1.0
+        for batch, config in suite.configs([1, 2, 3], lambda b: {"batch": b}):
+            suite.add(_rec(config, "bsrattn-torch", 5.0 * batch))
+        suite.write()
+        return json.loads((tmp_path / "w4_split_kv.json").read_text())["records"]
+
+    def statuses(recs):
+        return {(r["config"]["batch"], r["status"]) for r in recs}
+
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "a" * 40)
+    assert statuses(part("batch=[12]", budget=0)) == {(1, "ok"), (2, "skipped")}
+    assert statuses(part("batch=2,batch=3")) == {(1, "ok"), (2, "ok"), (3, "ok")}
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "b" * 40)  # another commit's records are not kept
+    assert statuses(part("batch=3")) == {(3, "ok")}
+
+
 def test_impls_filter_and_bound_and_stats():
     suite = _dry_suite(impls="sdpa*,flashinfer-*")
     assert suite.selected("sdpa-mask") and suite.selected("flashinfer-fa2") and not suite.selected("bsrattn-torch")
