@@ -164,11 +164,11 @@ class Launch:
                 args = (*ptrs, *call[_TENSORS:], *self._plan_ptrs)
                 direct = stream is not None and _no_launch_hooks()
                 for kernel in kernels:
-                    if direct and not kernel.descriptors:
-                        kernel.launcher(*kernel.launch_grid, stream, kernel.function, kernel.metadata, None, None,
-                                        None, *args, *kernel.tail)
-                    else:
-                        with self._scratch_turn(kernel.descriptors):
+                    with self._scratch_turn(kernel.descriptors):  # the launcher asks Triton's allocator
+                        if direct:
+                            kernel.launcher(*kernel.launch_grid, stream, kernel.function, kernel.metadata, None,
+                                            None, None, *args, *kernel.tail)
+                        else:
                             kernel.run(*args, *kernel.tail, stream=stream)
         except BaseException:
             # A first pass launched without its second may leave flags set: cleared in stream order, so that
