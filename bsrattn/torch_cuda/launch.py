@@ -38,6 +38,7 @@ from bsrattn.torch_cuda.kernel_args import CALL_INTS, CALL_TENSORS, call_args, c
 _TENSORS = len(CALL_TENSORS)
 _FLOATS = _TENSORS + len(CALL_INTS)  # where call_args' floats start
 _dtype = attrgetter("dtype")
+_NO_SCRATCH = contextlib.nullcontext()  # reusable: a launch of a kernel without tensor descriptors makes none
 
 
 def launch(q, k, v, out, lse, prior_o, prior_lse, buffers, config, scalars):
@@ -180,7 +181,7 @@ class Launch:
     def _scratch_turn(self, descriptors: bool):
         """The context of one kernel's launch: :meth:`scratch` as Triton's allocator for a kernel that makes
         tensor descriptors, nothing for the others."""
-        return item_kernel.descriptor_scratch(self.scratch) if descriptors else contextlib.nullcontext()
+        return item_kernel.descriptor_scratch(self.scratch) if descriptors else _NO_SCRATCH
 
     def _through_triton(self, call, tma: bool) -> list:
         """Launch each pass through Triton's JIT with the call's arguments (``call_args``; the item kernel with
