@@ -250,6 +250,27 @@ def test_a_split_prefill_tile_reads_more_kv_than_its_partial_states(heads, dims,
     assert inner.min() * (head_dim + dim_vo) * 2 >= rows * dim_vo * 4
 
 
+@pytest.mark.parametrize("batch", [1, 32])
+def test_an_mla_decode_plan_cuts_its_rows_into_whole_tiles_of_its_launch(batch, monkeypatch):
+    """Multi-head latent attention's decode (128 heads over one latent head, its value read from the key) splits
+    rows at multiples of the tile its launch runs: a chunk starting inside a tile makes every tile of the chunk
+    straddle two of the cache's 64-slot pages."""
+    from bsrattn.validation import make_spec
+
+    _pretend_sms(monkeypatch, 132)
+    lens = np.full(batch, 4096)
+    layout = ba.layouts.paged(np.ones(batch, dtype=np.int64), np.arange(batch * 64).reshape(batch, 64), lens, 64,
+                              batch * 64)
+    spec = make_spec(layout, 128, 1, 576, q_dtype="bfloat16", kv_dtype="bfloat16", head_dim_vo=512)
+    opts = tcfg.plan_options(spec)
+    plan = ba.scheduler.plan(layout.qo_lens, layout.kv_lens, num_ctas=opts["num_ctas"], tile_q=opts["tile_q"],
+                             min_split_size=opts["min_split_size"], kv_align=opts["kv_align"])
+    group = spec.group_size // tcfg.head_groups(spec)
+    tile = tcfg.tiles(tcfg.block_m(opts["tile_q"], group), 576, "bfloat16", head_dim_vo=512, value_in_key=True)
+    assert plan.num_merges, "the case must split its rows"
+    assert np.all(plan.item_kv_start % tile.block_n == 0), (opts["kv_align"], tile)
+
+
 @pytest.mark.parametrize("variant", [ba.Variant(causal=True, alibi_slopes=[0.5 ** (i / 20) for i in range(1, 161)]),
                                      ba.Variant(logits_soft_cap=2.0)], ids=["causal, ALiBi", "soft cap"])
 @pytest.mark.parametrize("split", [dict(num_ctas=2, fixed_split_size=24), dict(deterministic=True, split_size=64)],

@@ -166,6 +166,14 @@ def num_sms(device=None) -> int:
     return _SMS[index]
 
 
+def value_may_be_in_key(spec) -> bool:
+    """Whether a call of ``spec`` can read its value from its key's tile (``LaunchConfig.value_in_key``): a value
+    narrower than the key (multi-head latent attention's ``ckv`` in its key ``ckv ⊕ kpe``) and no fused RoPE, which
+    turns the key's halves, not its parts. Whether a call does is its tensors' (``runner._value_in_key``); multi-head
+    latent attention's calls always pass the value so."""
+    return spec.head_dim_vo is not None and spec.head_dim_vo < spec.head_dim and not spec.variant.use_rope
+
+
 def head_groups(spec) -> int:
     """How many groups a KV head's query heads run in, each group's programs reading the KV head's tiles on their
     own (the launch grid's second dimension is ``num_kv_heads x head_groups``): 1, unless the GQA group alone, one
@@ -211,7 +219,10 @@ def plan_options(spec, device=None) -> dict:
         m = 64 if wide_heads(spec) or spec.q_dtype == "float32" else PREFILL_BLOCK_M
     ctas = max(1, num_sms(device) * CTAS_PER_SM[kind] // programs)
     if kind == "decode":
-        block_n = tiles(m, spec.head_dim, spec.q_dtype, head_dim_vo=spec.head_dim_vo).block_n
+        # The tile a launch will take: chunks of whole KV tiles (a call whose value turns out apart from its key
+        # runs narrower tiles, over chunks that are still whole tiles of them).
+        block_n = tiles(m, spec.head_dim, spec.q_dtype, head_dim_vo=spec.head_dim_vo,
+                        value_in_key=value_may_be_in_key(spec)).block_n
         sms = num_sms(device)
         few_pairs = m <= DECODE_FEW_ROWS and spec.layout.num_rows * programs * DECODE_FEW_PAIRS_PER <= sms
         return dict(num_ctas=ctas, tile_q=max(1, m // group), min_split_size=DECODE_MIN_SPLIT,

@@ -269,10 +269,9 @@ def make_runner(spec, work_plan, previous=None) -> Runner:
 def _value_in_key(spec, k, v) -> bool:
     """Whether ``v`` is the first ``spec.dim_vo`` columns of ``k`` (:attr:`LaunchConfig.value_in_key`): a view of
     ``k``'s memory from its first element with ``k``'s strides, narrower than ``k``, as multi-head latent attention
-    passes its value. Fused RoPE turns the key's halves, not its parts: it keeps ``v`` apart."""
-    return (spec.head_dim_vo is not None and spec.head_dim_vo < spec.head_dim and not spec.variant.use_rope
-            and v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]
-            and v.dtype == k.dtype and v.device == k.device)
+    passes its value, where the spec allows it (:func:`~bsrattn.torch_cuda.config.value_may_be_in_key`)."""
+    return (config.value_may_be_in_key(spec) and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+            and v.shape[:-1] == k.shape[:-1] and v.dtype == k.dtype and v.device == k.device)
 
 
 # ---- CUDA graphs: what a capture recorded, which a re-plan over its buffers must keep (Runner's warning) ----
