@@ -45,6 +45,7 @@ Run it on a random tiny Llama (the tokens are compared with ``model.generate``'s
 from __future__ import annotations
 
 import argparse
+import gc
 from functools import partial
 
 import numpy as np
@@ -227,8 +228,19 @@ class DecodeGraphs:
                 self.forward(*static, rows)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self.forward(*static, rows)
+            # Dead reference cycles are freed before the capture, and none inside it: Python's collector, run there,
+            # released objects of earlier work whose release made a CUDA call that a capture forbids, and the capture
+            # failed (in a process that had run transformers' generate first; it passed with the collector off, and
+            # in relaxed mode). torch.cuda.graph collects first only when torch.compiler's config forces it.
+            gc.collect()
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph):
+                    logits = self.forward(*static, rows)
+            finally:
+                if collecting:
+                    gc.enable()
         finally:
             _recording = None
         self.captures += 1
