@@ -228,10 +228,10 @@ class DecodeGraphs:
                 self.forward(*static, rows)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            # Dead reference cycles are freed before the capture, and none inside it: Python's collector, run there,
-            # released objects of earlier work whose release made a CUDA call that a capture forbids, and the capture
-            # failed (in a process that had run transformers' generate first; it passed with the collector off, and
-            # in relaxed mode). torch.cuda.graph collects first only when torch.compiler's config forces it.
+            # Dead reference cycles are freed before the capture, and none inside it. With Python's collector on
+            # during the capture, in a process that had run transformers' generate first, the capture failed (it
+            # passed with the collector off, and in relaxed mode): some object it freed made a CUDA call that a
+            # capture forbids. torch.cuda.graph collects first only when torch.compiler's config forces it.
             gc.collect()
             collecting = gc.isenabled()
             gc.disable()
