@@ -282,6 +282,9 @@ MUTANTS = (
            "    return (config.value_may_be_in_key(spec)",
            ("tests/test_torch_mla.py::test_v_in_k_read_from_the_key_v_apart_by_its_strides_and_the_workspace_as_wide_"
             "as_v",)),
+    Mutant("a decode graph captured with the garbage collector on", "examples/paged_generation.py",
+           "            gc.disable()\n", "",
+           ("tests/test_paged_generation.py::test_a_decode_graph_is_captured_with_the_garbage_collector_off",)),
     Mutant("MLA decode chunks aligned to the tile of a value apart from its key", "bsrattn/torch_cuda/config.py",
            "                        value_in_key=value_may_be_in_key(spec)).block_n",
            "                        value_in_key=False).block_n",

@@ -215,6 +215,32 @@ def test_the_decode_graphs_forward_compiles_whole_with_the_attention_one_op(llam
         torch.ops.paged_generation.attend(torch.zeros(1, 4, 16), engine.cache.k[0], engine.cache.v[0])
 
 
+def test_a_decode_graph_is_captured_with_the_garbage_collector_off(llama, monkeypatch):
+    """Dead reference cycles are collected before the capture and the collector is off during it (on a GPU, a
+    collection inside the capture made it fail), then on again. The CUDA calls are stood in for here: the capture
+    records what the forward saw."""
+    import contextlib
+    import gc
+
+    engine = paged_generation.PagedModel(llama, num_pages=8, page_size=4, backend="reference")
+    engine.step(list(enumerate(_prompts((5, 9)))))
+    graphs = paged_generation.DecodeGraphs(engine)
+    seen, collected = [], []
+    monkeypatch.setattr(graphs, "forward", lambda *args: seen.append(gc.isenabled()) or torch.zeros(2, 4))
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(len(seen)) or 0)
+    stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    slots = torch.cat([engine.cache.extend(i, 1) for i in range(2)])
+    graphs._capture(torch.tensor([7, 9]), torch.tensor([5, 9]), slots)
+    assert seen == [True, False], "the warm-up with the collector on, the capture with it off"
+    assert collected == [1], "collected between the warm-up and the capture"
+    assert gc.isenabled()
+
+
 def test_a_shared_system_prompt_gives_generates_tokens(llama):
     system = _prompts((21,), seed=2)[0]
     prompts, counts = _prompts((5, 9, 3)), [6, 4, 5]
