@@ -274,14 +274,14 @@ else:
 
 # %% [markdown]
 # From batch 32 up the work is past the ridge and the bound is the FLOPs: FlashInfer's kernel runs at several
-# hundred TFLOP/s, a large fraction of the matrix-multiply rate, while bsrattn's torch tier runs at a tenth of that.
-# The run above used a tile of 32 heads x 16 keys, the largest that compiles without spilling beside a 512-wide
-# float32 accumulator in Triton's tile dialect, too few rows for Hopper's warpgroup matrix multiply (`wgmma`), which
-# FlashInfer's kernel uses on 64-head tiles with the accumulator split between two warpgroups. The tier now runs
-# 64 x 64 tiles on `wgmma`: they spill a little and were still faster at every batch of a sweep on the same machine
-# (`benchmarks/NOTES.md`), about a quarter of FlashInfer's rate at batch 32 instead of a tenth. The layout, the plan
-# and the merge are the same for both; what separates them is the microkernel, the one part of the design that is
-# specific to the hardware.
+# hundred TFLOP/s, a large fraction of the matrix-multiply rate, while bsrattn's torch tier runs at a fraction of
+# that. Its tile is 64 heads x 64 keys on Hopper's warpgroup matrix multiply (`wgmma`), as FlashInfer's kernel uses,
+# but written in Triton's tile dialect: every wait there drains all the products in flight, so a tile's softmax
+# cannot overlap the next tile's products, and beside a 512-wide float32 accumulator the tile spills registers.
+# FlashInfer's kernel splits the accumulator between two warpgroups and overlaps their work by hand
+# (`benchmarks/NOTES.md` has the figures, and a plan fix at batch 32 timed in a sweep but not yet in this run). The
+# layout, the plan and the merge are the same for both; what separates them is the microkernel, the one part of the
+# design that is specific to the hardware.
 
 # %% [markdown]
 # ## One flag picks the tier
